@@ -1,0 +1,165 @@
+"""Generate the student file fsdp.py from the reference solution/fsdp.py.
+
+    uv run python make_skeleton.py            # rewrite fsdp.py
+    uv run python make_skeleton.py --check    # exit 1 if fsdp.py is out of date
+
+In the solution, each piece of the exercise sits between two comment lines:
+
+    # region task1: what to write (the hint; more comment lines may follow)
+    ...the reference code...
+    # else: code the student file runs instead (optional, one line each)
+    # endregion
+
+In the skeleton the region becomes its hint as a `# TODO(task1): ...` comment, followed by
+`raise NotImplementedError("TODO(task1): ...")` for the required task (task1), or by the
+`# else:` lines, if any, for the optional ones (task2, task3, bonus1-3): a file with only
+task 1 done then trains correctly, just without overlap or the bonus features.
+
+`render(..., strip=...)` also makes variants of the solution with chosen regions stripped:
+the tests use them to prove each check fails without the feature it checks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+SOLUTION, SKELETON = ROOT / "solution" / "fsdp.py", ROOT / "fsdp.py"
+REQUIRED = {"task1"}
+TAGS = ("task1", "task2", "task3", "bonus1", "bonus2", "bonus3")
+
+OPEN = re.compile(r"^(?P<indent>\s*)# region (?P<tag>\w+): (?P<hint>.*)$")
+ELSE = re.compile(r"^\s*# else: (?P<code>.*)$")
+CLOSE = re.compile(r"^\s*# endregion\s*$")
+
+# The solution's docstring ends with SOLUTION_NOTE; the student's with STUDENT_NOTE.
+SOLUTION_NOTE = """\
+Regions marked `# region taskN` / `# region bonusN` are the exercise: the student file
+fsdp.py is generated from this one with each region replaced by a TODO.
+"""
+STUDENT_NOTE = """\
+Your part is every TODO below: TODO(task1) first (each raises NotImplementedError until
+it is written), then task2 and task3 (overlap), then the bonuses. Check your work with
+`uv run pytest test.py --impl student`.
+"""
+
+
+class SkeletonError(ValueError):
+    """The solution's region markers are malformed; the message names the line."""
+
+
+@dataclass
+class Region:
+    tag: str
+    indent: str
+    hint: list[str]     # the comment lines, header first, without "# "
+    fallback: list[str]  # the `# else:` code lines
+
+
+def render(source: str, strip: set[str] | frozenset[str] = frozenset(TAGS)) -> str:
+    """The source with the regions tagged in `strip` replaced; other regions keep their code."""
+    lines = source.splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = OPEN.match(lines[i])
+        if not m:
+            if CLOSE.match(lines[i]) or ELSE.match(lines[i]):
+                raise SkeletonError(f"line {i + 1}: '{lines[i].strip()}' outside a region")
+            out.append(lines[i])
+            i += 1
+            continue
+        tag, indent = m["tag"], m["indent"]
+        if tag not in TAGS:
+            raise SkeletonError(f"line {i + 1}: unknown region tag {tag!r}; expected one of {TAGS}")
+        region, body, i = Region(tag, indent, [m["hint"]], []), [], i + 1
+        while i < len(lines) and lines[i].startswith(indent + "# ") and not (
+                ELSE.match(lines[i]) or CLOSE.match(lines[i]) or OPEN.match(lines[i])):
+            region.hint.append(lines[i][len(indent) + 2:])
+            i += 1
+        while i < len(lines) and not CLOSE.match(lines[i]):
+            if OPEN.match(lines[i]):
+                raise SkeletonError(f"line {i + 1}: region opened inside the {tag} region (no nesting)")
+            if e := ELSE.match(lines[i]):
+                region.fallback.append(e["code"])
+            else:
+                body.append(lines[i])
+            i += 1
+        if i == len(lines):
+            raise SkeletonError(f"the {tag} region opened with '{m['hint'][:40]}...' has no '# endregion'")
+        i += 1  # past "# endregion"
+        if tag not in strip:
+            out.extend(body)
+            continue
+        out.extend(_todo(region, needs_statement=_opens_block(out) and _closes_block(lines, i, indent)))
+    return "\n".join(out) + "\n"
+
+
+def _todo(region: Region, needs_statement: bool) -> list[str]:
+    ind = region.indent
+    lines = [f"{ind}# TODO({region.tag}): {region.hint[0]}"] + [f"{ind}# {h}" for h in region.hint[1:]]
+    if region.tag in REQUIRED:
+        message = f"TODO({region.tag}): {' '.join(region.hint)}".replace("\\", "\\\\").replace('"', '\\"')
+        return lines + [f'{ind}raise NotImplementedError("{message}")']
+    if region.fallback:
+        return lines + [ind + code for code in region.fallback]
+    return lines + ([f"{ind}pass"] if needs_statement else [])
+
+
+def _opens_block(out: list[str]) -> bool:
+    """Whether the last code line emitted opens a block (so the block needs a statement)."""
+    for line in reversed(out):
+        code = line.split("#", 1)[0].rstrip()
+        if code:
+            return code.endswith(":")
+    return False
+
+
+def _closes_block(lines: list[str], i: int, indent: str) -> bool:
+    """Whether the code after position i leaves the region's block (dedents)."""
+    for line in lines[i:]:
+        if line.strip():
+            return len(line) - len(line.lstrip()) < len(indent)
+    return True
+
+
+def skeleton(solution: str) -> str:
+    if SOLUTION_NOTE not in solution:
+        raise SkeletonError("solution/fsdp.py's docstring lost the paragraph make_skeleton.SOLUTION_NOTE "
+                            "swaps for the student's; put it back or update SOLUTION_NOTE")
+    return render(solution).replace(SOLUTION_NOTE, STUDENT_NOTE, 1)
+
+
+def main() -> int:
+    check = "--check" in sys.argv[1:]
+    unknown = [a for a in sys.argv[1:] if a != "--check"]
+    if unknown:
+        print(f"make_skeleton.py: unknown argument(s) {unknown}; usage: make_skeleton.py [--check]", file=sys.stderr)
+        return 2
+    if not SOLUTION.exists():
+        print(f"make_skeleton.py: {SOLUTION} is missing: this is a student copy, the skeleton is already final",
+              file=sys.stderr)
+        return 2
+    text = skeleton(SOLUTION.read_text())
+    compile(text, str(SKELETON), "exec")
+    if check:
+        current = SKELETON.read_text() if SKELETON.exists() else ""
+        if current == text:
+            print("fsdp.py is up to date with solution/fsdp.py")
+            return 0
+        diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "fsdp.py (committed)",
+                                    "fsdp.py (regenerated)", lineterm="", n=1)
+        print("fsdp.py is out of date: run `uv run python make_skeleton.py`\n" + "\n".join(list(diff)[:40]))
+        return 1
+    SKELETON.write_text(text)
+    todos = {tag: text.count(f"TODO({tag})") - text.count(f'"TODO({tag})') for tag in TAGS}
+    print(f"wrote {SKELETON.relative_to(ROOT)}: " + ", ".join(f"{n} x {t}" for t, n in todos.items() if n))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Per-rank profiling of a few training steps: a chrome trace and a memory snapshot.
+
+`StepProfiler` profiles `active` steps after `skip` warm-up steps and writes, per rank,
+
+    traces/rank{R}.json        chrome trace  -> open in https://ui.perfetto.dev
+    snapshots/rank{R}.pickle   memory snapshot -> drop on https://pytorch.org/memory_viz
+
+The trace has one `ProfilerStep#N` range per profiled step (N counts from 0 at the first
+training step, so with skip=1 the profiled steps are #1, #2, ...), every aten op with input
+shapes, the `record_function` ranges of the code (FSDP2 labels its phases `FSDP::all_gather (i)`,
+`FSDP::post_backward_reduce (i)`, ...) and `[memory]` instant events for every allocation and free.
+
+Finding the collectives in the trace
+------------------------------------
+CPU / gloo (checked with torch 2.11):
+  * main thread: the c10d dispatcher ops `c10d::_allgather_base_` (all_gather_into_tensor),
+    `c10d::_reduce_scatter_base_` (reduce_scatter_tensor), `c10d::allreduce_` (all_reduce).
+    These only enqueue the work; the time spent waiting for it is wherever the result is used.
+  * gloo worker threads (named `pt_gloo_runloop`): `gloo:all_gather`, `gloo:all_reduce`. Gloo has
+    no reduce-scatter of a flat tensor: `_reduce_scatter_base_` runs as a `gloo:all_reduce`
+    followed by a copy of this rank's shard, so a reduce-scatter shows up as an all-reduce there.
+CUDA / NCCL (names as emitted by ProcessGroupNCCL and NCCL >= 2.19; not checked on a GPU here):
+  * CPU side: the same `c10d::*` ops, around `nccl:_all_gather_base` / `nccl:_reduce_scatter_base`.
+  * GPU side: kernels `ncclDevKernel_AllGather_*`, `ncclDevKernel_ReduceScatter_*` on the NCCL
+    stream, which is how compute/communication overlap becomes visible.
+
+Memory snapshot
+---------------
+CUDA: the caching allocator's own history (`torch.cuda.memory._record_memory_history`), switched
+on for the profiled steps only and dumped at the end: real segments, Python stack traces, and
+blocks that were allocated before recording started but are still alive.
+
+CPU: torch keeps no such history for the CPU allocator, so the snapshot is rebuilt in the same
+format from the profiler's `[memory]` events (read back from the exported chrome trace). It
+contains only what c10's CPU allocator handled during the profiled steps, on threads the profiler
+watched (main thread, autograd, gloo work that copies tensors): tensor storage. It does not contain
+gloo's internal buffers, Python objects, or anything allocated before profiling began (the CPU
+allocator only starts tracking sizes once profiling is on: it warns "Memory block of unknown size
+was allocated before the profiling started" and reports no event for such frees). Consequently:
+  * frees of blocks never seen allocated are dropped, so the curve starts at 0 and shows memory
+    *relative to the start of profiling*, not the process's absolute usage;
+  * c10 mallocs every tensor separately (no caching), so each allocation is modelled as its own
+    segment (segment_alloc/alloc ... free/segment_free): reserved == allocated by construction;
+  * "frames" are not Python stacks but the stack of profiler ranges enclosing the allocation on its
+    thread, innermost first, e.g. `cpu_op:0:aten::empty`, `cpu_op:0:aten::mm`,
+    `user_annotation:0:FSDP::all_gather (0)`, `user_annotation:0:ProfilerStep#1`, then the thread
+    as `thread:<tid>:<name>`. With `with_stack=True` Python functions appear as file:line frames;
+  * addresses are the CPU pointers as reported; `time_us` are the chrome trace's `ts` values, so
+    they line up with the trace in Perfetto.
+
+The CLI accepts both kinds: `python -m torch.cuda._memory_viz trace_plot rank0.pickle -o out.html`
+(the Active Memory Timeline; `-s` for the segment timeline), `segment_plot`, `stats` and `trace`
+(which calls each CPU allocation's segment a cudaMalloc: its wording, not what happened).
+`segments` and `memory` also parse but render flamegraphs with `flamegraph.pl`, which the CLI
+downloads from GitHub on first use.
+
+`load_snapshot` and `memory_timeline` give the same data to Python code.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity
+
+__all__ = ["StepProfiler", "load_snapshot", "memory_timeline", "snapshot_from_chrome_trace"]
+
+# Enough for a few steps of a small model, bounded so a long run cannot exhaust host memory.
+_CUDA_HISTORY_MAX_ENTRIES = 500_000
+# memory_viz's in-browser unpickler understands protocols 2-4 only.
+_PICKLE_PROTOCOL = 4
+
+
+class StepProfiler:
+    """Profiles `active` training steps after `skip` steps (skip is usually 1 warm-up step);
+    active == 0 disables everything (zero overhead, step() is a no-op).
+
+    Use as a context manager and call `step()` once at the end of every training step. The trace
+    and snapshot are written as soon as the last profiled step ends (or on exit if training stops
+    earlier), to `trace_path` and `snapshot_path`.
+    """
+
+    def __init__(
+        self,
+        *,
+        active: int,
+        skip: int,
+        device: torch.device,
+        rank: int,
+        traces_dir: Path,
+        snapshots_dir: Path,
+        with_stack: bool = False,
+    ):
+        if active < 0 or skip < 0:
+            raise ValueError(f"active and skip must be >= 0, got {active=} {skip=}")
+        self.active, self.skip = active, skip
+        self.device = torch.device(device)
+        self.with_stack = with_stack
+        self.trace_path = Path(traces_dir) / f"rank{rank}.json"
+        self.snapshot_path = Path(snapshots_dir) / f"rank{rank}.pickle"
+        self._cuda = self.device.type == "cuda"
+        self._prof: torch.profiler.profile | None = None
+        self._steps_done = 0
+        self._recording_cuda_memory = False
+
+    def __enter__(self) -> StepProfiler:
+        if self.active == 0:
+            return self
+        activities = [ProfilerActivity.CPU]
+        if self._cuda:
+            activities.append(ProfilerActivity.CUDA)
+        # The last skipped step doubles as the profiler's warm-up (tracer start-up cost lands
+        # there, outside the profiled steps); with nothing skipped there is no room for one.
+        warmup = 1 if self.skip > 0 else 0
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+            schedule = torch.profiler.schedule(
+                wait=self.skip - warmup, warmup=warmup, active=self.active, repeat=1
+            )
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self._write_outputs,
+            record_shapes=True,
+            profile_memory=True,
+            with_stack=self.with_stack,
+            # A single cycle, so nothing accumulates; it only silences a per-cycle warning.
+            acc_events=True,
+        )
+        self._prof.__enter__()
+        if self.skip == 0:
+            self._start_cuda_memory_history()
+        return self
+
+    def step(self) -> None:
+        if self._prof is None:
+            return
+        self._steps_done += 1
+        # Ends the last profiled step and writes the outputs (via _write_outputs) when due.
+        self._prof.step()
+        if self._steps_done == self.skip:
+            self._start_cuda_memory_history()
+        elif self._steps_done == self.skip + self.active:
+            self._close()  # the remaining training steps run without a profiler
+
+    def __exit__(self, *exc) -> None:
+        self._close(*exc)
+
+    def _close(self, *exc) -> None:
+        if self._prof is None:
+            return
+        try:
+            # Writes the outputs if training stopped while steps were still being recorded.
+            self._prof.__exit__(*(exc or (None, None, None)))
+        finally:
+            self._prof = None
+            self._stop_cuda_memory_history()
+
+    def _start_cuda_memory_history(self) -> None:
+        if not self._cuda:
+            return
+        # Python stacks only: C++ unwinding per allocation is slow and rarely what one reads.
+        torch.cuda.memory._record_memory_history(
+            max_entries=_CUDA_HISTORY_MAX_ENTRIES, stacks="python", clear_history=True
+        )
+        self._recording_cuda_memory = True
+
+    def _stop_cuda_memory_history(self) -> None:
+        if self._recording_cuda_memory:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording_cuda_memory = False
+
+    def _write_outputs(self, prof: torch.profiler.profile) -> None:
+        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+        self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.trace_path))
+        if self._cuda:
+            if self._recording_cuda_memory:
+                torch.cuda.memory._dump_snapshot(str(self.snapshot_path))
+                self._stop_cuda_memory_history()
+        else:
+            with open(self.trace_path) as f:
+                snapshot = snapshot_from_chrome_trace(json.load(f))
+            with open(self.snapshot_path, "wb") as f:
+                pickle.dump(snapshot, f, protocol=_PICKLE_PROTOCOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU memory snapshot from a chrome trace
+
+
+_PY_FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<name>.*)$")
+
+
+def _frame(cat: str, name: str) -> dict:
+    if cat == "python_function" and (m := _PY_FRAME.match(name)):
+        return {"filename": m["file"], "line": int(m["line"]), "name": m["name"]}
+    return {"filename": cat, "line": 0, "name": name}
+
+
+def _enclosing_stacks(ops, mems, base, frame) -> list[list[dict]]:
+    """For each memory event (sorted by ts) the frames of the ranges enclosing it, innermost first.
+
+    Ranges on one thread nest, so a sweep in start order (outer before inner on equal starts)
+    with a stack of open ranges finds them; each range's frame list is built once and shared.
+    """
+    ops = sorted(ops, key=lambda e: (e["ts"], -e["dur"]))
+    open_ops: list[tuple[float, list[dict]]] = []  # (end, frames)
+    stacks, i = [], 0
+    for mem in mems:
+        t = mem["ts"]
+        while i < len(ops) and ops[i]["ts"] <= t:
+            op = ops[i]
+            while open_ops and open_ops[-1][0] < op["ts"]:
+                open_ops.pop()
+            parent = open_ops[-1][1] if open_ops else base
+            open_ops.append((op["ts"] + op["dur"], [frame(op.get("cat", ""), op["name"]), *parent]))
+            i += 1
+        while open_ops and open_ops[-1][0] < t:
+            open_ops.pop()
+        stacks.append(open_ops[-1][1] if open_ops else base)
+    return stacks
+
+
+def snapshot_from_chrome_trace(trace: dict, device_type: int = 0) -> dict:
+    """Builds a memory_viz snapshot from the `[memory]` events of a chrome trace.
+
+    `device_type` selects the allocator (0: CPU, as in the events' "Device Type" argument).
+    Everything lands in device_traces[0]; see the module docstring for what it contains.
+    """
+    events = trace["traceEvents"]
+    thread_names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    ops_by_thread: dict[tuple, list[dict]] = {}
+    mem_by_thread: dict[tuple, list[dict]] = {}
+    for e in events:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "X" and "dur" in e:
+            ops_by_thread.setdefault(key, []).append(e)
+        elif e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type:
+            mem_by_thread.setdefault(key, []).append(e)
+
+    # Shared frame objects keep the pickle small: pickle stores each distinct object once.
+    frame_cache: dict[tuple[str, str], dict] = {}
+
+    def frame(cat: str, name: str) -> dict:
+        if (cat, name) not in frame_cache:
+            frame_cache[cat, name] = _frame(cat, name)
+        return frame_cache[cat, name]
+
+    located: list[tuple[float, int, int, list[dict]]] = []  # (ts, addr, bytes, frames)
+    for (pid, tid), mems in mem_by_thread.items():
+        label = thread_names.get((pid, tid), f"thread {tid}")  # "thread 4083 (pt_gloo_runloop)"
+        short = m[1] if (m := re.search(r"\((.*)\)$", label)) else label
+        thread = [{"filename": "thread", "line": tid if isinstance(tid, int) else 0, "name": short}]
+        mems = sorted(mems, key=lambda e: e["ts"])
+        stacks = _enclosing_stacks(ops_by_thread.get((pid, tid), []), mems, thread, frame)
+        for mem, frames in zip(mems, stacks):
+            located.append((mem["ts"], mem["args"]["Addr"], mem["args"]["Bytes"], frames))
+    located.sort(key=lambda x: x[0])
+
+    device_trace: list[dict] = []
+    live: dict[int, tuple[int, list[dict]]] = {}  # addr -> (size, frames of the allocation)
+
+    def emit(action: str, t: float, addr: int, size: int, frames: list[dict]) -> None:
+        device_trace.append(
+            {"action": action, "addr": addr, "size": size, "stream": 0,
+             "time_us": int(t), "frames": frames}
+        )
+
+    def free(t: float, addr: int) -> None:
+        size, frames = live.pop(addr)
+        for action in ("free_requested", "free_completed", "segment_free"):
+            emit(action, t, addr, size, frames)
+
+    for t, addr, nbytes, frames in located:
+        if nbytes > 0:
+            if addr in live:  # its free happened on a thread the profiler did not watch
+                free(t, addr)
+            live[addr] = (nbytes, frames)
+            emit("segment_alloc", t, addr, nbytes, frames)
+            emit("alloc", t, addr, nbytes, frames)
+        elif nbytes < 0 and addr in live:  # frees of blocks allocated before profiling: dropped
+            free(t, addr)
+
+    segments = [
+        {
+            "device": 0,
+            "address": addr,
+            "total_size": size,
+            "allocated_size": size,
+            "active_size": size,
+            "requested_size": size,
+            "stream": 0,
+            "segment_type": "large" if size > 1 << 20 else "small",
+            "frames": frames,
+            "blocks": [
+                {"address": addr, "size": size, "requested_size": size,
+                 "state": "active_allocated", "frames": frames}
+            ],
+        }
+        for addr, (size, frames) in sorted(live.items())
+    ]
+    return {"segments": segments, "device_traces": [device_trace]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading snapshots
+
+
+def load_snapshot(path: str | Path) -> dict:
+    """Loads a snapshot written by StepProfiler (CPU or CUDA) or torch.cuda.memory._dump_snapshot."""
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def memory_timeline(snapshot: dict, device: int | None = None) -> list[tuple[int, int]]:
+    """(time_us, bytes allocated) after each alloc / free_completed event of one device trace.
+
+    `device` defaults to the first device with events (device_traces[0] for CPU snapshots; a CUDA
+    snapshot is indexed by GPU, so rank r on cuda:r has its events in device_traces[r]).
+    Bytes are counted from the start of the recording: blocks allocated before it are not known
+    (CPU snapshots never contain them; for CUDA snapshots their frees are ignored here), so this
+    is the memory allocated during the recorded steps and still alive, starting from 0.
+    """
+    traces = snapshot["device_traces"]
+    if device is None:
+        device = next((i for i, trace in enumerate(traces) if trace), 0)
+    live: dict[int, int] = {}
+    allocated = 0
+    timeline = []
+    for e in traces[device] if device < len(traces) else []:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            allocated += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            allocated -= live.pop(e["addr"])
+        else:
+            continue
+        timeline.append((e.get("time_us", 0), allocated))
+    return timeline

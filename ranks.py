@@ -1,0 +1,152 @@
+"""A pool of spawned ranks that stays up between jobs.
+
+Tests and the benchmark need a process group without an external launcher, and
+importing torchtitan costs ~10 s per process, so the ranks are spawned once and
+then run many jobs:
+
+    with RankPool(world_size=2) as pool:
+        results = pool.run(train.train, cfg)   # one result per rank
+
+Ranks fork from a forkserver that has imported train.py and torchtitan once, so a
+new pool costs well under a second instead of an import per rank. A job is any
+importable function; it runs on every rank inside the already
+initialised process group. If a rank raises, `run` raises `RankError` with that
+rank's traceback. If ranks do not answer in time (usually a collective waiting
+on a rank that went another way), `run` raises `RankTimeout` naming them. After
+either the pool is shut down: a half-finished collective cannot be recovered.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+# Imported once by the forkserver; every rank forks with them loaded. The forkserver is a
+# clean single-threaded process (nothing ran in it), which makes forking it safe.
+PRELOAD = ["train", "torchtitan.models.llama3", "torchtitan.hf_datasets.text_datasets",
+           "torchtitan.components.tokenizer"]
+
+
+class RankError(RuntimeError):
+    """A job raised on some rank."""
+
+
+class RankTimeout(RankError):
+    """Some ranks did not finish a job in time."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, device: str, threads: int, jobs, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        import train
+
+        train.init_distributed(device)
+        results.put((rank, "ready", None))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while (job := jobs.get()) is not None:
+        fn, args, kwargs = job
+        try:
+            results.put((rank, "ok", fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+    train.shutdown_distributed()
+
+
+class RankPool:
+    def __init__(self, world_size: int, *, device: str = "cpu", start_timeout: float = 180.0):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        self.world_size = world_size
+        self.device = device
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker, args=(r, world_size, port, device, threads, self._jobs[r], self._results),
+                daemon=True, name=f"rank{r}",
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("start-up", start_timeout, expect="ready")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+        """Run fn(*args, **kwargs) on every rank; return the per-rank results."""
+        if self._procs is None:
+            raise RankError("the rank pool was shut down after an earlier failure; start a new one")
+        for q in self._jobs:
+            q.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout, expect="ok")
+
+    def _collect(self, what: str, timeout: float, expect: str) -> list[Any]:
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < self.world_size:
+            try:
+                rank, status, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    self.close()
+                    codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
+                    raise RankError(f"{what}: a rank process died ({codes}) without a Python traceback "
+                                    "(killed for memory, or a crash in native code)") from None
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(self.world_size) if r not in out]
+                    self.close()
+                    raise RankTimeout(
+                        f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s. Usually a "
+                        "collective is waiting for a rank that skipped it or issued a different one "
+                        "(check that every rank runs the same all-gathers and reduce-scatters in the "
+                        "same order)."
+                    ) from None
+                continue
+            if status == "error":
+                self.close()
+                raise RankError(f"{what} failed on rank {rank}:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        if self._procs is None:
+            return
+        for q, p in zip(self._jobs, self._procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = None
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

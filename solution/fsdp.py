@@ -1,0 +1,681 @@
+"""Fully Sharded Data Parallel by hand: a drop-in for `torch.distributed.fsdp.fully_shard`.
+
+    fully_shard(block, mesh=mesh)      # each transformer block: one group
+    fully_shard(model, mesh=mesh)      # the root: everything not in a block
+
+Between steps each rank holds 1/world of every parameter, as a `Shard(0)` DTensor, so
+the optimizer and its state are sharded too. One training step, group by group:
+
+  forward   pre-forward:  all-gather the group's shards -> full parameters
+                          (and start gathering the next group: it overlaps this compute)
+            post-forward: free the full parameters again (reshard)
+  backward  pre-backward: all-gather again (prefetching the group before it in forward)
+            post-backward: reduce-scatter the full gradients -> sharded gradients (averaged),
+                          left in flight while the group before runs its backward
+            end of backward: finish what is still in flight
+
+Numerics follow FSDP2 exactly: the same padding, the same casts, one flat all-gather and
+one flat reduce-scatter per group with `ReduceOp.AVG`, so losses and gradient norms are
+bit-identical. Collectives are asynchronous and waited at use: on CUDA, NCCL runs on its
+own stream and `Work.wait()` makes the compute stream wait without blocking the CPU; on CPU,
+gloo runs on its own threads. That is where the overlap comes from.
+
+Regions marked `# region taskN` / `# region bonusN` are the exercise: the student file
+fsdp.py is generated from this one with each region replaced by a TODO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["MixedPrecisionPolicy", "FSDPModule", "fully_shard"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mixed precision: compute in `param_dtype`, reduce gradients in `reduce_dtype`.
+
+    Sharded parameters, gradients and optimizer state stay in the original dtype.
+    None means "no cast": compute in the original dtype, reduce in the compute dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+# --------------------------------------------------------------------------------------
+# Parameter level: one parameter, sharded between steps and gathered around its use.
+# --------------------------------------------------------------------------------------
+
+
+class FSDPParam:
+    """One managed parameter.
+
+    Sharded: `module.<name>` is `self.sharded`, an `nn.Parameter(DTensor)` with placement
+    Shard(0) whose local rows live at the front of `self.padded_shard`. Chunks follow
+    `torch.chunk` (ceil-sized, trailing ranks may get fewer or zero rows), and every rank
+    pads its chunk to chunk 0's size so that all ranks send equal-sized pieces.
+
+    Unsharded: `module.<name>` is `self.unsharded`, an `nn.Parameter` over the first rows
+    of `self.gathered` (world * padded rows). It is created once and reused: freeing
+    resizes its storage to zero, gathering resizes it back. Autograd keeps referring to the
+    same tensor, so activations saved in forward stay valid after a reshard/unshard.
+    """
+
+    def __init__(self, module: nn.Module, name: str, param: nn.Parameter, mesh: DeviceMesh,
+                 mp_policy: MixedPrecisionPolicy):
+        self.module, self.name, self.mesh = module, name, mesh
+        self.shape, self.stride = param.shape, param.stride()
+        self.requires_grad = param.requires_grad
+        self.orig_dtype = param.dtype
+        # FSDP2 clamps casts that change nothing: compute in the original dtype, and reduce
+        # in the compute dtype when reduce_dtype equals param_dtype.
+        self.compute_dtype = mp_policy.param_dtype or param.dtype
+        reduce_dtype = mp_policy.reduce_dtype
+        self.accumulate_dtype = None if reduce_dtype in (None, mp_policy.param_dtype) else reduce_dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+
+        if param.dim() == 0:
+            raise NotImplementedError(f"fully_shard: {name} is a 0-dim parameter; Shard(0) needs dim 0")
+        world, rank = mesh.size(), mesh.get_local_rank()
+        self.row_shape = tuple(param.shape[1:])
+        self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
+        self.padded_numel = self.padded_rows * _prod(self.row_shape)
+        self.rows = [max(0, min(self.padded_rows, param.shape[0] - r * self.padded_rows)) for r in range(world)]
+        self.local_shape = (self.rows[rank], *self.row_shape)
+
+        # region task1: shard: copy this rank's rows into a zero-padded buffer of chunk 0's size
+        # (`self.padded_shard`, what the all-gather sends); the local rows at its front become
+        # the sharded parameter, an nn.Parameter(DTensor) placed Shard(0) (see to_dtensor)
+        start = rank * self.padded_rows
+        self.padded_shard = param.detach().new_zeros((self.padded_rows, *self.row_shape))
+        self.padded_shard[:self.rows[rank]].copy_(param.detach()[start:start + self.rows[rank]])
+        local = self.padded_shard[:self.rows[rank]]
+        self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=param.requires_grad)
+        # endregion
+        self.gathered: torch.Tensor | None = None    # world * padded rows, compute dtype
+        self.unsharded: nn.Parameter | None = None
+        self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
+        self.to_sharded()
+
+    def to_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap this rank's rows (of the parameter or of its gradient) as a Shard(0) DTensor."""
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+                                  shape=self.shape, stride=self.stride)
+
+    # Which tensor the module sees. setattr registers it as the module's parameter.
+    def to_sharded(self) -> None:
+        setattr(self.module, self.name, self.sharded)
+
+    def to_unsharded(self) -> None:
+        setattr(self.module, self.name, self.unsharded)
+
+    def copy_out(self, gathered_columns: torch.Tensor) -> None:
+        """Refill the full parameter from its columns of the gathered flat buffer.
+
+        `gathered_columns` is [world, padded_numel]: row r is rank r's padded shard.
+        """
+        # region task1: (re)allocate the storage of `self.gathered` (created with the unsharded
+        # parameter on first use) and copy the columns in without bumping autograd's version
+        # counter (write through `.data`)
+        if self.gathered is None:
+            world = gathered_columns.size(0)
+            self.gathered = torch.empty((world * self.padded_rows, *self.row_shape),
+                                        dtype=self.compute_dtype, device=gathered_columns.device)
+            self.unsharded = nn.Parameter(self.gathered[:self.shape[0]], requires_grad=self.requires_grad)
+        else:
+            self.gathered.untyped_storage().resize_(self.gathered.numel() * self.gathered.element_size())
+        # Forward saved these very tensors for backward; refilling them with the same values
+        # must not look like an in-place modification to autograd.
+        self.gathered.data.view(gathered_columns.shape).copy_(gathered_columns)
+        # endregion
+
+    def free_unsharded(self) -> None:
+        """Free the full parameter's memory but keep the tensor (autograd may hold it)."""
+        # region task1: resize the storage of `self.gathered` to zero
+        if self.gathered is not None:
+            self.gathered.untyped_storage().resize_(0)
+        # endregion
+
+    def take_grad(self) -> torch.Tensor | None:
+        """Hand over the full gradient to reduce (None if there is none), leaving none behind."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is not None:
+            self.unsharded.grad = None
+        if self.accumulated_grad is not None:  # left by a backward without gradient sync
+            if grad is not None:
+                self.accumulated_grad += grad
+            grad, self.accumulated_grad = self.accumulated_grad, None
+        return grad
+
+    def copy_grad_in(self, grad: torch.Tensor, dest: torch.Tensor) -> None:
+        """Lay out the full gradient for the reduce-scatter.
+
+        `dest` is [world, padded_numel] (reduce dtype): row r gets rank r's rows, zero-padded.
+        """
+        # region task1: copy each rank's torch.chunk rows of `grad` into its row of `dest`
+        # (casting to dest's dtype) and zero the padding
+        dest = dest.view(dest.size(0), self.padded_rows, *self.row_shape)
+        for r, n in enumerate(self.rows):
+            start = r * self.padded_rows
+            dest[r, :n].copy_(grad[start:start + n])
+            dest[r, n:].zero_()
+        # endregion
+
+    def set_sharded_grad(self, shard: torch.Tensor) -> None:
+        """Store this rank's reduced rows (`shard`: padded, original dtype) as the gradient."""
+        # region task1: the first rows of `shard` become the sharded parameter's gradient, a
+        # Shard(0) DTensor like the parameter; if a gradient is already there, add to it
+        local = shard[:_prod(self.local_shape)].view(self.local_shape)
+        if self.sharded.grad is None:
+            self.sharded.grad = self.to_dtensor(local)
+        else:
+            self.sharded.grad.to_local().add_(local)
+        # endregion
+
+    def accumulate_grad(self) -> None:
+        """After a backward without gradient sync: keep the full gradient for the next one."""
+        # region bonus3: autograd already adds into `.grad`, except under mixed precision: there
+        # FSDP2 accumulates in an upcast copy (`self.accumulated_grad`, reduce dtype), which
+        # gives different bits; take_grad hands the accumulator over at the synced backward
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is None:
+            return
+        if self.accumulated_grad is not None:
+            self.accumulated_grad += grad
+        elif self.accumulate_dtype is not None and grad.dtype != self.accumulate_dtype:
+            self.accumulated_grad = grad.to(self.accumulate_dtype)
+        else:
+            return
+        self.unsharded.grad = None
+        # endregion
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# --------------------------------------------------------------------------------------
+# Group level: the parameters of one fully_shard call, gathered and reduced together.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight: its buffers must live until it is waited on."""
+
+    group: FSDPGroup
+    work: dist.Work | None
+    input: torch.Tensor
+    output: torch.Tensor
+    params: list[FSDPParam]
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.group.finish_reduce(self)
+
+
+class FSDPGroup:
+    """One flat all-gather and one flat reduce-scatter for all the parameters of a group.
+
+    Flat layout (both collectives): [world, shard_numel], where row r is rank r's padded
+    shards of every parameter, one after another. The all-gather fills all rows from each
+    rank's own row; the reduce-scatter reduces row r of every rank into rank r.
+    """
+
+    def __init__(self, params: list[FSDPParam], mesh: DeviceMesh):
+        self.params = params
+        self.process_group = mesh.get_group()
+        self.world, self.rank = mesh.size(), mesh.get_local_rank()
+        self.device = params[0].padded_shard.device
+        self.compute_dtype = params[0].compute_dtype
+        self.orig_dtype = params[0].orig_dtype
+        self.reduce_dtype = params[0].reduce_dtype
+        for p in params:
+            if (p.compute_dtype, p.orig_dtype) != (self.compute_dtype, self.orig_dtype):
+                raise ValueError(f"fully_shard: parameters of one group must share a dtype; "
+                                 f"{p.name} is {p.orig_dtype}, the group's is {self.orig_dtype}")
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.padded_numel)
+        self.shard_numel = self.offsets[-1]
+        self.is_unsharded = False
+        self.pending_gather: tuple[dist.Work | None, torch.Tensor] | None = None
+        # Controls, as in FSDP2 (set through FSDPModule).
+        self.reshard_after_forward = True
+        self.reshard_after_backward = True
+        self.reduce_grads = True
+
+    # ---- all-gather -------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Start gathering the full parameters (no-op if gathered or already on the way)."""
+        if self.is_unsharded or self.pending_gather is not None:
+            return
+        # region task1: all-gather: copy this rank's padded shards (cast to the compute dtype)
+        # into its row of one flat buffer, then one all_gather_into_tensor, asynchronously
+        flat = torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        mine = flat.view(self.world, self.shard_numel)[self.rank]
+        for p, start, end in zip(self.params, self.offsets, self.offsets[1:]):
+            mine[start:end].copy_(p.padded_shard.reshape(-1))
+        work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)
+        self.pending_gather = (work, flat)
+        # endregion
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the all-gather and put the full parameters in place."""
+        if self.pending_gather is None:
+            return
+        work, flat = self.pending_gather
+        self.pending_gather = None
+        # region task1: wait for the all-gather, copy each parameter's columns out of the
+        # flat buffer and swap the full parameters into the modules
+        work.wait()
+        columns = flat.view(self.world, self.shard_numel)
+        for p, start, end in zip(self.params, self.offsets, self.offsets[1:]):
+            p.copy_out(columns[:, start:end])
+            p.to_unsharded()
+        # endregion
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Back to shards only: free the full parameters."""
+        if not self.is_unsharded:
+            return
+        # region task1: swap the sharded parameters back in and free the full ones
+        for p in self.params:
+            p.to_sharded()
+            p.free_unsharded()
+        # endregion
+        self.is_unsharded = False
+
+    def discard_pending_gather(self) -> None:
+        """A prefetch nobody used (the module did not run): finish it and drop the buffer."""
+        if self.pending_gather is not None:
+            self.pending_gather[0].wait()
+            self.pending_gather = None
+
+    # ---- reduce-scatter ---------------------------------------------------------------
+
+    def reduce_scatter(self) -> PendingReduce | None:
+        """Start reducing the full gradients into this rank's shard; free the full gradients."""
+        grads = [p.take_grad() for p in self.params]
+        if all(g is None for g in grads):
+            return None
+        # region task1: lay the gradients out as [world, shard_numel] in the reduce dtype, each
+        # parameter at its offset (copy_grad_in; zeros where a parameter has no gradient), free
+        # them, then one asynchronous reduce_scatter_tensor with ReduceOp.AVG (SUM at world
+        # size 1) into a [shard_numel] output
+        flat = torch.empty((self.world, self.shard_numel), dtype=self.reduce_dtype, device=self.device)
+        for p, grad, start, end in zip(self.params, grads, self.offsets, self.offsets[1:]):
+            if grad is None:
+                flat[:, start:end].zero_()
+            else:
+                p.copy_grad_in(grad, flat[:, start:end])
+        reduced = [p for p, grad in zip(self.params, grads) if grad is not None]
+        del grads  # the full gradients are freed here, before the collective runs
+        output = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        # FSDP2's choice, and the only one bit-equal to it at every world size: average
+        # inside the collective, no division before or after.
+        op = dist.ReduceOp.AVG if self.world > 1 else dist.ReduceOp.SUM
+        work = dist.reduce_scatter_tensor(output, flat.view(-1), op=op, group=self.process_group,
+                                          async_op=True)
+        return PendingReduce(self, work, flat, output, reduced)
+        # endregion
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """The reduce-scatter is done: give each parameter its slice as sharded gradient."""
+        # region task1: cast the output to the parameters' dtype, then set_sharded_grad with each
+        # reduced parameter's [offset, offset + padded_numel) slice
+        output = pending.output.to(self.orig_dtype)
+        for p, start, end in zip(self.params, self.offsets, self.offsets[1:]):
+            if p in pending.params:
+                p.set_sharded_grad(output[start:end])
+        # endregion
+
+
+# --------------------------------------------------------------------------------------
+# Hooks: when a group gathers, frees and reduces, driven by forward and by autograd.
+# --------------------------------------------------------------------------------------
+
+
+class RootContext:
+    """What the groups under one root share during a step."""
+
+    def __init__(self, states: list[FSDPState]):
+        self.states = states
+        self.forward_order: list[FSDPGroup] = []     # pre-forward order of this forward
+        self.last_forward_order: list[FSDPGroup] = []  # ... of the previous one (forward prefetch)
+        self.post_forward_order: list[FSDPGroup] = []  # for backward prefetch
+        self.pending_reduce: PendingReduce | None = None
+        self.final_callback_queued = False
+
+    def next_in_forward(self, group: FSDPGroup) -> FSDPGroup | None:
+        order = self.last_forward_order
+        if group in order and (i := order.index(group)) + 1 < len(order):
+            return order[i + 1]
+        return None
+
+    def finish_pending_reduce(self) -> None:
+        if self.pending_reduce is not None:
+            pending, self.pending_reduce = self.pending_reduce, None
+            pending.finish()
+
+
+class FSDPState:
+    """The hooks of one fully_shard call. The root's state also owns the RootContext."""
+
+    def __init__(self, module: nn.Module, group: FSDPGroup | None, mp_policy: MixedPrecisionPolicy,
+                 reshard_after_forward: bool | None):
+        self.module, self.group, self.mp_policy = module, group, mp_policy
+        self.auto_reshard_after_forward = reshard_after_forward is None
+        if group is not None:
+            group.reshard_after_forward = reshard_after_forward is not False
+        self.ctx: RootContext | None = None
+        self.post_forward_indices: list[int] = []
+        self.pre_backward_done = False
+        self.post_backward_done = False
+        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self.post_forward, always_call=True)
+
+    def lazy_init(self) -> None:
+        """The first FSDP module to run forward is the root: it collects the states below it."""
+        states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        ctx = RootContext(states)
+        for state in states:
+            if state.ctx is not None:
+                raise RuntimeError("fully_shard: run forward through the root module first; a module "
+                                   "wrapped inside it already ran forward on its own")
+            state.ctx = ctx
+        # The root's parameters are needed again right at the start of backward: by default
+        # they stay gathered after forward (as in FSDP2).
+        if self.group is not None and self.auto_reshard_after_forward:
+            self.group.reshard_after_forward = False
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.ctx is None:
+            self.lazy_init()
+        ctx = self.ctx
+        if ctx.states[0] is self:  # the root: a new forward begins
+            ctx.last_forward_order, ctx.forward_order = ctx.forward_order or ctx.last_forward_order, []
+        if self.mp_policy.param_dtype is not None:
+            cast = lambda t: t.to(self.mp_policy.param_dtype) if t.is_floating_point() else t
+            args, kwargs = _map_tensors(cast, args), _map_tensors(cast, kwargs)
+        if self.group is None:
+            return args, kwargs
+        ctx.forward_order.append(self.group)
+        self.group.unshard()
+        self.group.wait_for_unshard()
+        # region task2: forward prefetch: start gathering the group that ran next in the
+        # previous forward, so its all-gather overlaps this group's compute
+        if (nxt := ctx.next_in_forward(self.group)) is not None:
+            nxt.unshard()
+        # endregion
+        if torch.is_grad_enabled():
+            # Identity in forward; its backward runs once the gradients w.r.t. the inputs
+            # exist, i.e. when this group's backward is done: that is the post-backward.
+            args, kwargs = _PostBackward.wrap(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.group is not None:
+            # region bonus1: with reshard_after_forward=False (and for the root by default) the
+            # parameters stay gathered until backward
+            if self.group.reshard_after_forward:
+                self.group.reshard()
+            # else: self.group.reshard()
+            # endregion
+        if not torch.is_grad_enabled():
+            return output
+        if self.group is not None:
+            self.post_forward_indices.append(len(self.ctx.post_forward_order))
+            self.ctx.post_forward_order.append(self.group)
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self.pre_backward)
+        return output
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """Runs when the gradient w.r.t. this module's output is ready, before its backward."""
+        if self.pre_backward_done:  # once per backward, however many outputs
+            return grad
+        self.pre_backward_done = True
+        ctx = self.ctx
+        if not ctx.final_callback_queued:
+            ctx.final_callback_queued = True
+            Variable._execution_engine.queue_callback(self.final_callback)
+        if self.group is None:
+            return grad
+        self.group.unshard()  # no-op if prefetched or never resharded
+        self.group.wait_for_unshard()
+        # region task3: backward prefetch: start gathering the group that ran just before this
+        # one in forward (it runs its backward next), before this group's reduce-scatter
+        index = self.post_forward_indices.pop() if self.post_forward_indices else 0
+        if index > 0:
+            ctx.post_forward_order[index - 1].unshard()
+        # endregion
+        return grad
+
+    def post_backward(self) -> None:
+        """This group's backward is done: reshard and reduce-scatter its gradients."""
+        if self.post_backward_done or self.group is None:
+            return
+        self.post_backward_done = True
+        group = self.group
+        # region bonus2: with reshard_after_backward=False the parameters stay gathered, so the
+        # next forward needs no all-gather
+        if group.reshard_after_backward:
+            group.reshard()
+        # else: group.reshard()
+        # endregion
+        # region bonus3: without gradient sync, keep the full gradients and skip the reduce-scatter
+        if not group.reduce_grads:
+            for p in group.params:
+                p.accumulate_grad()
+            return
+        # endregion
+        pending = group.reduce_scatter()
+        if pending is None:
+            return
+        # region task3: leave the reduce-scatter in flight so it overlaps the backward of the group
+        # before; finish the previous one first, so at most one is pending
+        self.ctx.finish_pending_reduce()
+        self.ctx.pending_reduce = pending
+        # else: pending.finish()
+        # endregion
+
+    def final_callback(self) -> None:
+        """End of backward: post-backward for groups autograd never reached, wait for the rest."""
+        ctx = self.ctx
+        for state in ctx.states:
+            # The root's inputs (token ids) need no gradient, so its post-backward runs here.
+            state.post_backward()
+        ctx.finish_pending_reduce()
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.discard_pending_gather()
+            state.pre_backward_done = state.post_backward_done = False
+            state.post_forward_indices.clear()
+        ctx.post_forward_order.clear()
+        ctx.final_callback_queued = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs; its backward is the module's post-backward."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+    @staticmethod
+    def wrap(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat = _tensors((args, kwargs))
+        needs_grad = [t for t in flat if t.requires_grad]
+        if not needs_grad:
+            return args, kwargs
+        replaced = dict(zip(map(id, needs_grad), _PostBackward.apply(state, *needs_grad)))
+        swap = lambda t: replaced.get(id(t), t)
+        return _map_tensors(swap, args), _map_tensors(swap, kwargs)
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(lambda t: found.append(t) or t, obj)
+    return found
+
+
+# --------------------------------------------------------------------------------------
+# The module users see, and fully_shard.
+# --------------------------------------------------------------------------------------
+
+
+class FSDPModule:
+    """Mixed into the class of every module passed to fully_shard (as FSDP2 does)."""
+
+    _fsdp_state: FSDPState
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's parameters now (e.g. before a forward you want to time)."""
+        group = self._fsdp_state.group
+        handle = UnshardHandle(group)
+        if group is not None:
+            group.unshard()
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps full gradients and skips the reduce-scatter (accumulation)."""
+        self._set("reduce_grads", requires_gradient_sync, recurse)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        self._set("reshard_after_forward", reshard_after_forward, recurse)
+        for m in self._fsdp_modules(recurse):
+            m._fsdp_state.auto_reshard_after_forward = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: parameters stay gathered after backward, so the next forward needs no all-gather."""
+        self._set("reshard_after_backward", reshard_after_backward, recurse)
+
+    def _set(self, attr: str, value: bool, recurse: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"{attr} must be a bool, got {value!r}")
+        for m in self._fsdp_modules(recurse):
+            if m._fsdp_state.group is not None:
+                setattr(m._fsdp_state.group, attr, value)
+
+    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
+        return [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
+
+
+class UnshardHandle:
+    def __init__(self, group: FSDPGroup | None):
+        self.group = group
+
+    def wait(self) -> None:
+        if self.group is not None:
+            self.group.wait_for_unshard()
+
+
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), **unsupported: Any) -> nn.Module:
+    """Shard `module`'s parameters (those not already managed by a fully_shard'ed submodule)
+    over a 1-D mesh, and gather/reduce them around its forward and backward.
+
+    reshard_after_forward: None (default) frees parameters after forward except for the root,
+    True/False force it. Returns the module, whose class now also derives from FSDPModule.
+    """
+    _check_arguments(module, mesh, reshard_after_forward, mp_policy, unsupported)
+    if mesh is None:
+        device = next(module.parameters(), torch.empty(0)).device
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    params = [FSDPParam(m, n, p, mesh, mp_policy) for m, n, p in _managed_parameters(module)]
+    group = FSDPGroup(params, mesh) if params else None
+    cls = module.__class__
+    module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward)
+    return module
+
+
+def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(owner, name, parameter), post-order, skipping subtrees that are already FSDP modules."""
+    found: list[tuple[nn.Module, str, nn.Parameter]] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if not isinstance(child, FSDPModule):
+                visit(child)
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) in seen:
+                raise NotImplementedError(f"fully_shard: parameter {name} is shared between modules "
+                                          "(tied weights); this FSDP does not support that")
+            seen.add(id(p))
+            found.append((m, name, p))
+
+    visit(module)
+    return found
+
+
+def _check_arguments(module: nn.Module, mesh: DeviceMesh | None, reshard_after_forward: Any,
+                     mp_policy: Any, unsupported: dict[str, Any]) -> None:
+    fsdp2_only = {"shard_placement_fn", "offload_policy", "ignored_params"}
+    for name, value in unsupported.items():
+        if name in fsdp2_only:
+            if value is not None and type(value).__name__ != "OffloadPolicy":
+                raise NotImplementedError(f"fully_shard: {name} is an FSDP2 feature this FSDP does not "
+                                          f"implement; drop it or use torch.distributed.fsdp.fully_shard")
+        else:
+            raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard takes one nn.Module (lists of modules are not supported), got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard: {type(module).__name__} is already sharded")
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs a process group: call dist.init_process_group first")
+    if mesh is not None and mesh.ndim != 1:
+        raise NotImplementedError(f"fully_shard: only 1-D meshes are supported (got {mesh.ndim}-D: HSDP is FSDP2-only)")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fully_shard: reshard_after_forward must be None, True or False, got "
+                                  f"{reshard_after_forward!r} (resharding to a smaller group is FSDP2-only)")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be this module's MixedPrecisionPolicy, got "
+                        f"{type(mp_policy).__module__}.{type(mp_policy).__name__}")

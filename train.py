@@ -1,0 +1,375 @@
+"""Train a torchtitan Llama under PyTorch's FSDP2, the hand-written FSDP, or no sharding.
+
+    uv run torchrun --nproc-per-node 2 train.py --fsdp fsdp2
+    uv run torchrun --nproc-per-node 2 train.py --fsdp effdl     # your fsdp.py
+
+Every implementation is wrapped by the same function and driven by the same loop,
+so losses, grad norms, traces (traces/<fsdp>/rank{r}.json) and memory snapshots
+(snapshots/<fsdp>/rank{r}.pickle) compare like for like. `train(cfg)` is also
+importable: it returns every step's loss and grad norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Literal
+
+# The data loader must never try the network: the assets are local.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import assets
+import profiling
+
+ROOT = Path(__file__).resolve().parent
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
+
+
+class ConfigError(ValueError):
+    """A flag combination that cannot run; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Config:
+    fsdp: Literal["fsdp2", "effdl", "none"] = "fsdp2"
+    """fsdp2: torch.distributed.fsdp.fully_shard; effdl: the hand-written FSDP; none: no sharding
+    (each rank holds the whole model, gradients averaged with DistributedDataParallel)."""
+    impl: str = "student"
+    """which hand-written FSDP --fsdp effdl imports: student (fsdp.py), solution (solution/fsdp.py),
+    or the path of any .py file with fully_shard and MixedPrecisionPolicy (e.g. a submission)."""
+    model: Literal["debug", "1b"] = "debug"
+    """debug: torchtitan's debugmodel (dim 256, 6 layers); 1b: a Llama 3.2 1B-sized model."""
+    num_steps: int = 5
+    seq_len: int = 256
+    batch_size: int = 2
+    """sequences per rank per micro-step."""
+    num_gradient_accumulation_steps: int = 1
+    lr: float = 3e-4
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    param_dtype: Literal["float32", "bfloat16", "none"] = "none"
+    """mixed precision: dtype of the gathered parameters used for compute (none: keep float32)."""
+    reduce_dtype: Literal["float32", "bfloat16", "none"] = "none"
+    """mixed precision: dtype gradients are reduce-scattered in (none: the compute dtype)."""
+    reshard_after_forward: bool = True
+    """free each block's gathered parameters after its forward (False: keep them until backward, ZeRO-2)."""
+    reshard_after_backward_before_last_backward: bool = True
+    """with accumulation: free gathered parameters after every micro-step's backward (False: keep them)."""
+    reduce_grads_before_last_backward: bool = True
+    """with accumulation: reduce-scatter after every micro-step (False: accumulate unsharded, reduce once)."""
+    profile_steps: int = 2
+    """profile the last N steps (trace + memory snapshot); 0 turns profiling off."""
+    traces_dir: Path | None = None
+    """default: traces/<fsdp>."""
+    snapshots_dir: Path | None = None
+    """default: snapshots/<fsdp>."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA + NCCL when every rank has its own GPU, else CPU + gloo."""
+    log: bool = True
+    """rank 0 prints one line per step."""
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    peak_memory: list[int] = field(default_factory=list)
+    """bytes: CUDA max allocated per step, or peak RSS of the process on CPU."""
+    trace_path: Path | None = None
+    snapshot_path: Path | None = None
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    for name in ("num_steps", "seq_len", "batch_size", "num_gradient_accumulation_steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.num_gradient_accumulation_steps < 2:
+        for flag in ("reshard_after_backward_before_last_backward", "reduce_grads_before_last_backward"):
+            if not getattr(cfg, flag):
+                raise ConfigError(
+                    f"--no-{flag.replace('_', '-')} only changes what happens between micro-steps, so it "
+                    f"needs --num-gradient-accumulation-steps >= 2 (got {cfg.num_gradient_accumulation_steps})"
+                )
+    if not 0 <= cfg.profile_steps <= cfg.num_steps:
+        raise ConfigError(f"--profile-steps must be between 0 and --num-steps ({cfg.num_steps}), got {cfg.profile_steps}")
+    if cfg.fsdp == "none":
+        fsdp_only = {
+            "--param-dtype": cfg.param_dtype != "none", "--reduce-dtype": cfg.reduce_dtype != "none",
+            "--no-reshard-after-forward": not cfg.reshard_after_forward,
+            "--no-reshard-after-backward-before-last-backward": not cfg.reshard_after_backward_before_last_backward,
+        }
+        bad = [flag for flag, used in fsdp_only.items() if used]
+        if bad:
+            raise ConfigError(f"{', '.join(bad)} configure FSDP; they do nothing with --fsdp none (use --fsdp fsdp2 or effdl)")
+    if cfg.impl != "student" and cfg.fsdp != "effdl":
+        raise ConfigError(f"--impl {cfg.impl} selects the hand-written FSDP, so it needs --fsdp effdl")
+    impl_path(cfg.impl)  # fails early on a bad --impl
+    if cfg.model == "debug" and cfg.seq_len > 2048:
+        raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the data supports well; use <= 2048")
+
+
+# --------------------------------------------------------------------------- distributed set-up
+
+
+def pick_device(flag: str) -> torch.device:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if flag == "cuda" and gpus < local_world:
+        raise ConfigError(
+            f"--device cuda needs one GPU per rank: found {gpus} GPU(s) for {local_world} rank(s) on this "
+            "machine; use --device cpu (gloo) or fewer processes"
+        )
+    if flag == "cuda" or (flag == "auto" and gpus >= local_world):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(device_flag: str = "auto") -> torch.device:
+    """Join (or, without torchrun, create a 1-rank) process group on the chosen device."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+            from ranks import free_port
+
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        device = pick_device(device_flag)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    return current_device(device_flag)
+
+
+def current_device(device_flag: str) -> torch.device:
+    backend = dist.get_backend()
+    device = pick_device(device_flag)
+    if (backend == "nccl") != (device.type == "cuda"):
+        raise ConfigError(f"--device {device_flag} does not match the {backend} process group already running")
+    return device
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- model and wrapping
+
+
+def model_args(name: str, seq_len: int, vocab_size: int):
+    from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
+
+    if name == "debug":
+        return dataclasses.replace(llama3_args["debugmodel"], vocab_size=vocab_size, max_seq_len=seq_len)
+    return TransformerModelArgs(  # Llama 3.2 1B shapes
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=1024,
+        rope_theta=500000, vocab_size=128256, max_seq_len=seq_len,
+    )
+
+
+def build_model(cfg: Config, device: torch.device, vocab_size: int) -> nn.Module:
+    """The same full model on every rank: same seed, same init, before any sharding."""
+    from torchtitan.models.llama3 import Transformer
+
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = Transformer(model_args(cfg.model, cfg.seq_len, vocab_size))
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def impl_path(impl: str) -> Path:
+    """The file --impl names: student, solution, or a path."""
+    path = {"student": ROOT / "fsdp.py", "solution": ROOT / "solution" / "fsdp.py"}.get(impl, Path(impl))
+    if impl not in ("student", "solution") and path.suffix != ".py":
+        raise ConfigError(f"--impl must be student, solution or the path of a .py file, got {impl!r}")
+    if not path.exists():
+        hint = {"student": "regenerate it with `uv run python make_skeleton.py`",
+                "solution": "this copy has no reference solution; use --impl student"}.get(impl, "check the path")
+        raise ConfigError(f"--impl {impl}: the hand-written FSDP is not there ({path} is missing); {hint}")
+    return path.resolve()
+
+
+def fsdp_module(cfg: Config) -> ModuleType:
+    """The namespace whose `fully_shard` and `MixedPrecisionPolicy` wrap the model."""
+    if cfg.fsdp == "fsdp2":
+        return importlib.import_module("torch.distributed.fsdp")
+    path = impl_path(cfg.impl)
+    name = f"effdl_fsdp_{abs(hash(str(path))):x}"  # one module per file, loaded once
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    module = sys.modules[name]
+    missing = [n for n in ("fully_shard", "MixedPrecisionPolicy") if not hasattr(module, n)]
+    if missing:
+        raise ConfigError(f"--impl {cfg.impl}: {path} defines no {' or '.join(missing)}")
+    return module
+
+
+def apply_fsdp(model: nn.Module, fsdp: ModuleType, mesh: DeviceMesh, cfg: Config) -> nn.Module:
+    """One wrapping for every implementation: each transformer block, then the root."""
+    mp_policy = fsdp.MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    for block in model.layers.values():
+        fsdp.fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=cfg.reshard_after_forward)
+    # The root (embeddings, final norm, output) keeps its default: not resharded after
+    # forward, since backward starts with it right away.
+    return fsdp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def build_data(cfg: Config, rank: int, world_size: int):
+    """torchtitan's text dataset over c4_test/, split by data-parallel rank, in a fixed order."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    tokenizer = HuggingFaceTokenizer(str(ROOT / "tokenizer"))
+    dataset = HuggingFaceTextDataset(
+        "c4_test", str(ROOT / "c4_test"), tokenizer, seq_len=cfg.seq_len,
+        dp_rank=rank, dp_world_size=world_size, infinite=True,
+    )
+    return iter(torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size))
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) -> TrainResult:
+    """Train in the process group this process belongs to (see `init_distributed`).
+
+    `inspect(model, step)` runs after wrapping (step 0) and after every optimizer step.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    validate(cfg, world_size)
+    device = current_device(cfg.device)
+
+    if rank == 0:
+        assets.ensure(ROOT, log=lambda msg: print(msg, flush=True))
+    dist.barrier()
+    assets.check(ROOT)
+    vocab_size = assets.vocab_size(ROOT)
+
+    model = build_model(cfg, device, vocab_size)
+    mesh = init_device_mesh(device.type, (world_size,))
+    if cfg.fsdp == "none":
+        if world_size > 1:
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        model = apply_fsdp(model, fsdp_module(cfg), mesh, cfg)
+    if inspect is not None:
+        inspect(model, 0)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1, foreach=True)
+    data = build_data(cfg, rank, world_size)
+    micro = cfg.num_gradient_accumulation_steps
+    tokens_per_step = cfg.batch_size * cfg.seq_len * micro * world_size
+    result = TrainResult()
+    traces_dir = cfg.traces_dir or ROOT / "traces" / cfg.fsdp
+    snapshots_dir = cfg.snapshots_dir or ROOT / "snapshots" / cfg.fsdp
+
+    with profiling.StepProfiler(
+        active=cfg.profile_steps, skip=cfg.num_steps - cfg.profile_steps, device=device, rank=rank,
+        traces_dir=traces_dir, snapshots_dir=snapshots_dir,
+    ) as prof:
+        for step in range(1, cfg.num_steps + 1):
+            reset_peak_memory(device)
+            start = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for i in range(micro):
+                last = i == micro - 1
+                if cfg.fsdp != "none":
+                    # Both FSDPs expose FSDP2's accumulation controls on the root module.
+                    model.set_requires_gradient_sync(last or cfg.reduce_grads_before_last_backward)
+                    model.set_reshard_after_backward(last or cfg.reshard_after_backward_before_last_backward)
+                inputs, labels = next(data)
+                inputs, labels = inputs["input"].to(device), labels.to(device)
+                with torch.profiler.record_function("## forward ##"):
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / micro
+                with torch.profiler.record_function("## backward ##"):
+                    loss.backward()
+                step_loss += loss.detach()
+            with torch.profiler.record_function("## optimizer ##"):
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=True)
+                optimizer.step()
+                optimizer.zero_grad()
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+                grad_norm = grad_norm.full_tensor()
+            dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+            loss_value, norm_value = step_loss.item(), grad_norm.item()
+            elapsed = time.perf_counter() - start
+            result.losses.append(loss_value)
+            result.grad_norms.append(norm_value)
+            result.step_times.append(elapsed)
+            result.peak_memory.append(peak_memory(device))
+            if cfg.log and rank == 0:
+                print(
+                    f"step {step:3d} | loss {loss_value:.6f} | grad norm {norm_value:.6f} | {elapsed:6.3f} s"
+                    f" | {tokens_per_step / elapsed:9,.0f} tok/s | {memory_label(device)} {result.peak_memory[-1] / 2**20:8.1f} MiB",
+                    flush=True,
+                )
+            if inspect is not None:
+                inspect(model, step)
+            prof.step()
+    if cfg.profile_steps:
+        result.trace_path, result.snapshot_path = prof.trace_path, prof.snapshot_path
+    return result
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def memory_label(device: torch.device) -> str:
+    return "peak alloc" if device.type == "cuda" else "peak rss"
+
+
+def main(cfg: Config) -> None:
+    try:
+        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        device = init_distributed(cfg.device)
+        if dist.get_rank() == 0:
+            print(f"{cfg.fsdp}{'/' + cfg.impl if cfg.fsdp == 'effdl' else ''}: {cfg.model} model on "
+                  f"{dist.get_world_size()} x {device.type} ({dist.get_backend()})", flush=True)
+        train(cfg)
+    except (ConfigError, assets.AssetError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Config))
