@@ -9,6 +9,7 @@ reference to prove that every check can fail.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import train
-from ranks import RankPool
+from ranks import RankError, RankPool
 
 PRECISIONS = [(p, r) for p in ("float32", "bfloat16") for r in ("float32", "bfloat16")]
 
@@ -38,38 +39,87 @@ def describe(cfg: train.Config, world: int) -> str:
 # --------------------------------------------------------------------------- rank-side jobs
 
 
-def train_job(cfg: train.Config, check_shards: bool = False) -> train.TrainResult:
-    return train.train(cfg, inspect=assert_sharded if check_shards else None)
+def train_job(cfg: train.Config, check_shards: bool = False):
+    """Train; return the result and, per step, a digest of every parameter shard on this rank."""
+    digests: list[dict[str, str]] = []
+
+    def inspect(model: nn.Module, step: int) -> None:
+        if check_shards:
+            assert_sharded(model, step)
+        digests.append({name: digest(p) for name, p in model.named_parameters()})
+
+    return train.train(cfg, inspect=inspect), digests
+
+
+def digest(p: torch.Tensor) -> str:
+    local = p.to_local() if isinstance(p, DTensor) else p
+    return hashlib.sha256(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 def assert_sharded(model: nn.Module, step: int) -> None:
     """Every parameter is a Shard(0) DTensor on the world mesh with torch.chunk's rows."""
+    agree(sharding_error(model, step))
+
+
+def sharding_error(model: nn.Module, step: int) -> str | None:
     when = "after wrapping" if step == 0 else f"after step {step}"
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
-            raise AssertionError(f"{when}: parameter {name} is a {type(p).__name__}, not a DTensor "
-                                 "(between steps every parameter must be sharded)")
+            return (f"{when}: parameter {name} is a {type(p).__name__}, not a DTensor "
+                    "(between steps every parameter must be sharded)")
         if tuple(p.placements) != (Shard(0),) or p.device_mesh.size() != world:
-            raise AssertionError(f"{when}: parameter {name} has placements {p.placements} on a mesh of "
-                                 f"{p.device_mesh.size()} ranks; expected (Shard(0),) on {world}")
+            return (f"{when}: parameter {name} has placements {p.placements} on a mesh of "
+                    f"{p.device_mesh.size()} ranks; expected (Shard(0),) on {world}")
         rows = p.shape[0]
         chunk = -(-rows // world)
         mine = max(0, min(chunk, rows - rank * chunk))
         if tuple(p.to_local().shape) != (mine, *p.shape[1:]):
-            raise AssertionError(f"{when}: rank {rank} holds {tuple(p.to_local().shape)} of {name} "
-                                 f"{tuple(p.shape)}; torch.chunk gives it {(mine, *p.shape[1:])}")
+            return (f"{when}: rank {rank} holds {tuple(p.to_local().shape)} of {name} "
+                    f"{tuple(p.shape)}; torch.chunk gives it {(mine, *p.shape[1:])}")
+    return None
+
+
+def agree(error: str | None) -> None:
+    """Raise on every rank if the check failed on any: a rank that carried on alone would
+    hang in the next collective."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise AssertionError(f"{first} [rank {rank}; failed on ranks {[r for r, _ in failed]}]")
 
 
 # --------------------------------------------------------------------------- checks
 
 
+def run(pool: RankPool, fn, *args):
+    """pool.run, with a check that failed on the ranks raised here as an AssertionError."""
+    try:
+        return pool.run(fn, *args, timeout=300)
+    except RankError as e:
+        if "AssertionError: " in str(e) and "hung" not in str(e):
+            raise AssertionError(str(e)) from None
+        raise
+
+
 def run_both(pool: RankPool, cfg_effdl: train.Config, check_shards: bool = False):
-    """(FSDP2 result, hand-written result) of rank 0, same config otherwise."""
+    """Per-rank (result, digests) of FSDP2 and of the hand-written FSDP, same config otherwise."""
     cfg_fsdp2 = dataclasses.replace(cfg_effdl, fsdp="fsdp2", impl="student")
-    ref = pool.run(train_job, cfg_fsdp2, check_shards)[0]
-    got = pool.run(train_job, cfg_effdl, check_shards)[0]
-    return ref, got
+    return run(pool, train_job, cfg_fsdp2, check_shards), run(pool, train_job, cfg_effdl, check_shards)
+
+
+def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: str) -> None:
+    """Every rank's shard of every parameter, after wrapping and after every step."""
+    for rank, (ref_steps, got_steps) in enumerate(zip(ref, got)):
+        for step, (a, b) in enumerate(zip(ref_steps, got_steps)):
+            for name in a:
+                if a[name] != b.get(name):
+                    when = "after wrapping" if step == 0 else f"after step {step}"
+                    raise AssertionError(
+                        f"{what}: rank {rank}'s shard of {name} differs from FSDP2's {when} (the "
+                        "optimizer saw different gradients, even if losses and grad norms agree)")
 
 
 def assert_same_numbers(ref: train.TrainResult, got: train.TrainResult, what: str) -> None:
@@ -90,7 +140,9 @@ def check_parity(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
     """Every step's loss and grad norm equal FSDP2's bit for bit; parameters stay Shard(0) DTensors."""
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
     ref, got = run_both(pool, cfg, check_shards=True)
-    assert_same_numbers(ref, got, describe(cfg, pool.world_size))
+    what = describe(cfg, pool.world_size)
+    assert_same_numbers(ref[0][0], got[0][0], what)
+    assert_same_parameters([d for _, d in ref], [d for _, d in got], what)
 
 
 # ---- odd shapes: padding and empty shards, on a tiny model whose parameters we can compare
@@ -138,8 +190,8 @@ def odd_shapes_job(impl: str | None, steps: int = 3) -> dict[str, list[torch.Ten
 
 
 def check_odd_shapes(pool: RankPool, impl: str) -> None:
-    ref = pool.run(odd_shapes_job, None)[0]
-    got = pool.run(odd_shapes_job, impl)[0]
+    ref = run(pool, odd_shapes_job, None)[0]
+    got = run(pool, odd_shapes_job, impl)[0]
     for name, values in ref.items():
         for step, (a, b) in enumerate(zip(values, got[name]), start=1):
             if not torch.equal(a, b):

@@ -12,8 +12,9 @@ new pool costs well under a second instead of an import per rank. A job is any
 importable function; it runs on every rank inside the already
 initialised process group. If a rank raises, `run` raises `RankError` with that
 rank's traceback. If ranks do not answer in time (usually a collective waiting
-on a rank that went another way), `run` raises `RankTimeout` naming them. After
-either the pool is shut down: a half-finished collective cannot be recovered.
+on a rank that went another way), `run` raises `RankTimeout` naming them. When
+every rank answered (even with an error) the pool stays up; when some rank hangs it
+is shut down, since a half-finished collective cannot be recovered.
 """
 
 from __future__ import annotations
@@ -103,10 +104,13 @@ class RankPool:
             q.put((fn, args, kwargs))
         return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout, expect="ok")
 
-    def _collect(self, what: str, timeout: float, expect: str) -> list[Any]:
+    def _collect(self, what: str, timeout: float, expect: str, grace: float = 30.0) -> list[Any]:
         out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
-        while len(out) < self.world_size:
+        while len(out) + len(errors) < self.world_size:
+            if errors:  # the other ranks get a grace period, then are presumed stuck
+                deadline = min(deadline, time.monotonic() + grace)
             try:
                 rank, status, value = self._results.get(timeout=1.0)
             except queue.Empty:
@@ -117,8 +121,11 @@ class RankPool:
                     raise RankError(f"{what}: a rank process died ({codes}) without a Python traceback "
                                     "(killed for memory, or a crash in native code)") from None
                 if time.monotonic() > deadline:
-                    missing = [r for r in range(self.world_size) if r not in out]
+                    missing = [r for r in range(self.world_size) if r not in out and r not in errors]
                     self.close()
+                    if errors:
+                        raise RankError(self._report(what, errors) + f"\n(rank(s) {missing} then hung: "
+                                        "the pool was shut down)") from None
                     raise RankTimeout(
                         f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s. Usually a "
                         "collective is waiting for a rank that skipped it or issued a different one "
@@ -126,11 +133,17 @@ class RankPool:
                         "same order)."
                     ) from None
                 continue
-            if status == "error":
-                self.close()
-                raise RankError(f"{what} failed on rank {rank}:\n{value}")
-            out[rank] = value
+            (errors if status == "error" else out)[rank] = value
+        if errors:  # every rank answered, so none is stuck: the pool stays usable
+            raise RankError(self._report(what, errors))
         return [out[r] for r in range(self.world_size)]
+
+    @staticmethod
+    def _report(what: str, errors: dict[int, str]) -> str:
+        first = min(errors)
+        same = [r for r in errors if errors[r].splitlines()[-1:] == errors[first].splitlines()[-1:]]
+        return f"{what} failed on rank(s) {sorted(errors)}; traceback of rank {first}" + \
+            (f" (ranks {same} ended the same way)" if len(same) > 1 else "") + f":\n{errors[first]}"
 
     def close(self) -> None:
         if self._procs is None:

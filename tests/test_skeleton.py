@@ -1,0 +1,85 @@
+"""The student skeleton: generated from the reference, up to date, and usable task by task."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import checks
+import make_skeleton
+from make_skeleton import SkeletonError, render
+
+ROOT = Path(__file__).resolve().parents[1]
+has_solution = pytest.mark.skipif(not make_skeleton.SOLUTION.exists(), reason="student copy: no reference")
+
+
+@has_solution
+def test_committed_skeleton_is_up_to_date():
+    done = subprocess.run([sys.executable, "make_skeleton.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_skeleton_has_every_todo_and_no_reference_code():
+    text = (ROOT / "fsdp.py").read_text()
+    for tag in make_skeleton.TAGS:
+        assert f"# TODO({tag})" in text, f"fsdp.py has no TODO({tag})"
+    for solution_only in ("all_gather_into_tensor(", "reduce_scatter_tensor(", "resize_(0)"):
+        assert solution_only not in text, f"fsdp.py gives away {solution_only!r}"
+    compile(text, "fsdp.py", "exec")
+
+
+SOURCE = '''\
+def f(x):
+    # region task1: double it
+    # (more hint)
+    y = 2 * x
+    # endregion
+    return y
+
+
+def g(flag):
+    if flag:
+        # region task2: optional, nothing instead
+        print("overlap")
+        # endregion
+    # region bonus1: optional, with a fallback
+    z = 1
+    # else: z = 0
+    # endregion
+    return z
+'''
+
+
+def test_render_regions():
+    out = render(SOURCE)
+    assert '    # TODO(task1): double it\n    # (more hint)\n    raise NotImplementedError("TODO(task1): double it (more hint)")' in out
+    assert "        # TODO(task2): optional, nothing instead\n        pass\n" in out  # keeps `if` valid
+    assert "    # TODO(bonus1): optional, with a fallback\n    z = 0\n" in out
+    ns = {}
+    exec(compile(out, "skeleton", "exec"), ns)
+    assert ns["g"](True) == 0
+    with pytest.raises(NotImplementedError, match=r"TODO\(task1\): double it"):
+        ns["f"](1)
+    kept = render(SOURCE, strip={"task1"})  # a variant: only task 1 stripped
+    assert 'print("overlap")' in kept and "z = 1" in kept and "region" not in kept
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("# region task1: x\ny = 1\n", "no '# endregion'"),
+    ("# region task1: x\n# region task2: y\n# endregion\n", "no nesting"),
+    ("# region task9: x\n# endregion\n", "unknown region tag"),
+    ("y = 1\n# endregion\n", "outside a region"),
+])
+def test_render_rejects_bad_markers(bad, message):
+    with pytest.raises(SkeletonError, match=message):
+        render(bad)
+
+
+@has_solution
+def test_task1_only_trains_like_fsdp2(pool2, tmp_path):
+    """A file with task 1 done and nothing else is already correct, just without overlap."""
+    task1_only = tmp_path / "task1_only.py"
+    task1_only.write_text(render(make_skeleton.SOLUTION.read_text(), strip=set(make_skeleton.TAGS) - {"task1"}))
+    for param_dtype, reduce_dtype in [("float32", "float32"), ("bfloat16", "float32")]:
+        checks.check_parity(pool2, str(task1_only), param_dtype, reduce_dtype)
