@@ -114,6 +114,7 @@ def validate(cfg: Config, world_size: int) -> None:
             "--param-dtype": cfg.param_dtype != "none", "--reduce-dtype": cfg.reduce_dtype != "none",
             "--no-reshard-after-forward": not cfg.reshard_after_forward,
             "--no-reshard-after-backward-before-last-backward": not cfg.reshard_after_backward_before_last_backward,
+            "--no-reduce-grads-before-last-backward": not cfg.reduce_grads_before_last_backward,
         }
         bad = [flag for flag, used in fsdp_only.items() if used]
         if bad:
@@ -160,6 +161,8 @@ def init_distributed(device_flag: str = "auto") -> torch.device:
 
 def current_device(device_flag: str) -> torch.device:
     backend = dist.get_backend()
+    if device_flag == "auto":  # a group already running (e.g. a CPU RankPool) decides
+        device_flag = "cuda" if backend == "nccl" else "cpu"
     device = pick_device(device_flag)
     if (backend == "nccl") != (device.type == "cuda"):
         raise ConfigError(f"--device {device_flag} does not match the {backend} process group already running")
@@ -362,9 +365,14 @@ def main(cfg: Config) -> None:
             print(f"{cfg.fsdp}{'/' + cfg.impl if cfg.fsdp == 'effdl' else ''}: {cfg.model} model on "
                   f"{dist.get_world_size()} x {device.type} ({dist.get_backend()})", flush=True)
         train(cfg)
-    except (ConfigError, assets.AssetError, NotImplementedError) as e:
+    except (ConfigError, assets.AssetError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    except NotImplementedError as e:
+        if not str(e).startswith("TODO("):  # a real bug deserves its traceback
+            raise
+        print(f"error: {e} (in {impl_path(cfg.impl)})", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         shutdown_distributed()
 
