@@ -176,11 +176,11 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 @dataclass
 class PendingReduce:
-    """A reduce-scatter in flight: its buffers must live until it is waited on."""
+    """A reduce-scatter in flight. Its input is not kept: the collective holds what it needs
+    (gloo copies it when issued, NCCL keeps it until waited), so ours is freed right away."""
 
     group: FSDPGroup
     work: dist.Work | None
-    input: torch.Tensor
     output: torch.Tensor
     params: list[FSDPParam]
 
@@ -298,10 +298,14 @@ class RootContext:
             return order[i + 1]
         return None
 
-    def finish_pending_reduce(self) -> None:
-        if self.pending_reduce is not None:
-            pending, self.pending_reduce = self.pending_reduce, None
-            pending.finish()
+    def finish_pending_reduce(self, only_if_done: bool = False) -> None:
+        """Finish the reduce-scatter in flight; with only_if_done, only if it already completed
+        (its buffers, gloo's copy of the input included, are freed as soon as possible)."""
+        pending = self.pending_reduce
+        if pending is None or (only_if_done and pending.work is not None and not pending.work.is_completed()):
+            return
+        self.pending_reduce = None
+        pending.finish()
 
 
 class FSDPState:
@@ -386,6 +390,7 @@ class FSDPState:
             Variable._execution_engine.queue_callback(self.final_callback)
         if self.group is None:
             return grad
+        ctx.finish_pending_reduce(only_if_done=True)
         self.group.unshard()  # no-op if prefetched or never resharded
         self.group.wait_for_unshard()
         # TODO(task3): backward prefetch: start gathering the group that ran just before this
@@ -402,11 +407,14 @@ class FSDPState:
         # next forward needs no all-gather
         group.reshard()
         # TODO(bonus3): without gradient sync, keep the full gradients and skip the reduce-scatter
+        # At most one reduce-scatter in flight, as in FSDP2: the previous one's buffers are
+        # freed before this one's are allocated.
+        self.ctx.finish_pending_reduce()
         pending = group.reduce_scatter()
         if pending is None:
             return
         # TODO(task3): leave the reduce-scatter in flight so it overlaps the backward of the group
-        # before; finish the previous one first, so at most one is pending
+        # before (the next post-backward or the end of backward finishes it)
         pending.finish()
 
     def final_callback(self) -> None:

@@ -11,6 +11,7 @@ importable: it returns every step's loss and grad norm.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import importlib.util
@@ -91,7 +92,7 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     peak_memory: list[int] = field(default_factory=list)
-    """bytes: CUDA max allocated per step, or peak RSS of the process on CPU."""
+    """bytes, per step: CUDA's peak allocated, or on CPU the process's peak resident set."""
     trace_path: Path | None = None
     snapshot_path: Path | None = None
 
@@ -155,6 +156,7 @@ def init_distributed(device_flag: str = "auto") -> torch.device:
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
         else:
+            cpu_memory_setup()
             dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     return current_device(device_flag)
 
@@ -345,12 +347,33 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    elif _CLEAR_REFS.exists():
+        _CLEAR_REFS.write_text("5")  # Linux: resets this process's peak RSS (VmHWM)
 
 
 def peak_memory(device: torch.device) -> int:
+    """Bytes: CUDA's peak allocated; on CPU the step's peak resident set size (see cpu_memory_setup)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    if _STATUS.exists():
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # elsewhere: peak since start (KiB)
+
+
+_CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
+
+
+def cpu_memory_setup() -> None:
+    """Make peak RSS a faithful CPU memory measure: with a fixed mmap threshold (glibc), every
+    allocation of 64 KiB or more gets its own mapping and goes back to the OS when freed, on
+    whichever thread frees it (gloo frees buffers on its own threads, which the profiler's
+    memory events miss). Without it, glibc may keep freed blocks and RSS never falls."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass  # not glibc: peak RSS is then coarser
 
 
 def memory_label(device: torch.device) -> str:

@@ -213,11 +213,11 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 @dataclass
 class PendingReduce:
-    """A reduce-scatter in flight: its buffers must live until it is waited on."""
+    """A reduce-scatter in flight. Its input is not kept: the collective holds what it needs
+    (gloo copies it when issued, NCCL keeps it until waited), so ours is freed right away."""
 
     group: FSDPGroup
     work: dist.Work | None
-    input: torch.Tensor
     output: torch.Tensor
     params: list[FSDPParam]
 
@@ -332,7 +332,7 @@ class FSDPGroup:
         op = dist.ReduceOp.AVG if self.world > 1 else dist.ReduceOp.SUM
         work = dist.reduce_scatter_tensor(output, flat.view(-1), op=op, group=self.process_group,
                                           async_op=True)
-        return PendingReduce(self, work, flat, output, reduced)
+        return PendingReduce(self, work, output, reduced)
         # endregion
 
     def finish_reduce(self, pending: PendingReduce) -> None:
@@ -368,10 +368,14 @@ class RootContext:
             return order[i + 1]
         return None
 
-    def finish_pending_reduce(self) -> None:
-        if self.pending_reduce is not None:
-            pending, self.pending_reduce = self.pending_reduce, None
-            pending.finish()
+    def finish_pending_reduce(self, only_if_done: bool = False) -> None:
+        """Finish the reduce-scatter in flight; with only_if_done, only if it already completed
+        (its buffers, gloo's copy of the input included, are freed as soon as possible)."""
+        pending = self.pending_reduce
+        if pending is None or (only_if_done and pending.work is not None and not pending.work.is_completed()):
+            return
+        self.pending_reduce = None
+        pending.finish()
 
 
 class FSDPState:
@@ -462,6 +466,7 @@ class FSDPState:
             Variable._execution_engine.queue_callback(self.final_callback)
         if self.group is None:
             return grad
+        ctx.finish_pending_reduce(only_if_done=True)
         self.group.unshard()  # no-op if prefetched or never resharded
         self.group.wait_for_unshard()
         # region task3: backward prefetch: start gathering the group that ran just before this
@@ -490,12 +495,14 @@ class FSDPState:
                 p.accumulate_grad()
             return
         # endregion
+        # At most one reduce-scatter in flight, as in FSDP2: the previous one's buffers are
+        # freed before this one's are allocated.
+        self.ctx.finish_pending_reduce()
         pending = group.reduce_scatter()
         if pending is None:
             return
         # region task3: leave the reduce-scatter in flight so it overlaps the backward of the group
-        # before; finish the previous one first, so at most one is pending
-        self.ctx.finish_pending_reduce()
+        # before (the next post-backward or the end of backward finishes it)
         self.ctx.pending_reduce = pending
         # else: pending.finish()
         # endregion

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import checks
+import make_skeleton
 
 SOLUTION = Path(__file__).resolve().parents[1] / "solution" / "fsdp.py"
 pytestmark = pytest.mark.skipif(not SOLUTION.exists(), reason="student copy: no reference to break")
@@ -36,6 +37,17 @@ MUTANTS = {
          "        self.rows = [param.shape[0] // world + (r < param.shape[0] % world) for r in range(world)]\n"),
         ("        start = rank * self.padded_rows\n", "        start = sum(self.rows[:rank])\n"),
     ],
+    # Never resharding after forward: every block's full parameters stay until backward.
+    "no-reshard-after-forward": (
+        "            if self.group.reshard_after_forward:\n                self.group.reshard()\n",
+        "            pass\n",
+    ),
+    # Keeping every all-gather buffer: memory grows step after step.
+    "leak-gather-buffers": (
+        "        columns = flat.view(self.world, self.shard_numel)\n",
+        "        self.__dict__.setdefault('leaked', []).append(flat)\n"
+        "        columns = flat.view(self.world, self.shard_numel)\n",
+    ),
     # Never resharding after backward: full parameters are left in the model between steps.
     "no-reshard-after-backward": (
         "        if group.reshard_after_backward:\n            group.reshard()\n",
@@ -83,3 +95,38 @@ def test_odd_shapes_check_fails(mutant, pool3):
 def test_predivide_is_invisible_at_world_2(mutant, pool2):
     """Why test_fsdp also runs at world size 3: at 2 every division order happens to agree."""
     checks.check_parity(pool2, mutant("predivide"), "float32", "float32")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("no-reshard-after-forward", "peak memory per step"),
+    ("leak-gather-buffers", "leaks every step"),
+])
+def test_memory_check_fails(mutant, pool2, name, message):
+    with pytest.raises(AssertionError, match=message):
+        checks.check_memory(pool2, mutant(name), "float32", "float32")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("no-reshard-after-forward", "still alive after its forward"),
+    ("no-reshard-after-backward", "still alive after step"),
+])
+def test_residency_check_fails(mutant, pool2, name, message):
+    with pytest.raises(AssertionError, match=message):
+        checks.check_residency(pool2, mutant(name))
+
+
+@pytest.mark.parametrize("strip, fails, passes", [
+    ({"task2"}, ["forward"], ["backward"]),
+    ({"task3"}, ["backward"], ["forward"]),
+    ({"task2", "task3"}, ["forward", "backward"], []),  # task 1 only
+])
+def test_overlap_check_fails_without_the_task(pool2, tmp_path, strip, fails, passes):
+    """The reference without an overlap task fails that task's test and passes the other's."""
+    variant = tmp_path / f"without_{'_'.join(sorted(strip))}.py"
+    variant.write_text(make_skeleton.render(SOLUTION.read_text(), strip=strip))
+    profiles = checks.profile_both(pool2, str(variant), tmp_path / "profiles")
+    for which in fails:
+        with pytest.raises(AssertionError, match="not overlapped"):
+            checks.assert_overlap(profiles, which)
+    for which in passes:
+        checks.assert_overlap(profiles, which)

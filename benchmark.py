@@ -1,0 +1,119 @@
+"""Speed, memory and overlap of the hand-written FSDP against FSDP2, in one interleaved run.
+
+    uv run python benchmark.py                       # debug model, seq 256 and 1024, 2 CPU ranks
+    uv run python benchmark.py --device cuda         # one rank per GPU, NCCL
+    uv run python benchmark.py --impl student --seq-lens 256
+
+For each sequence length, FSDP2 and the hand-written FSDP alternate (A B, B A, A B, ...), each
+run on fresh ranks forked from the same preloaded image, so drifting machine load and what a
+process accumulated hit both alike. Reported as ratios hand-written / FSDP2 of the medians:
+  * step time: median over runs of each run's median step (the first step, warm-up, skipped);
+  * peak memory: CUDA's peak allocated; on CPU the peak resident set above the rank's resident
+    set when the run began (the Python/torch baseline, the same for both, would hide any ratio);
+  * hidden: the fraction of all-gather / reduce-scatter time that ran while compute ran, from
+    one profiled run each (analysis.py).
+Targets: step time <= 0.95 on CPU (FSDP2 overlaps nothing there), <= 1.02 on CUDA; memory <= 1.00.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import analysis
+import train
+from ranks import RankPool
+
+TARGETS = {"cpu": 0.95, "cuda": 1.02}
+
+
+@dataclass(frozen=True)
+class Args:
+    impl: str | None = None
+    """hand-written FSDP: student, solution or a .py path (default: solution when present)."""
+    seq_lens: tuple[int, ...] = (256, 1024)
+    model: Literal["debug", "1b"] = "debug"
+    batch_size: int = 2
+    num_steps: int = 6
+    repeats: int = 3
+    """runs of each implementation per sequence length (interleaved)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    world_size: int | None = None
+    """default: 2 on CPU, every GPU on CUDA."""
+    param_dtype: Literal["float32", "bfloat16", "none"] = "none"
+    reduce_dtype: Literal["float32", "bfloat16", "none"] = "none"
+
+
+def resident() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def measure_job(cfg: train.Config) -> tuple[float, int]:
+    """(median step time after warm-up, peak memory of the run) on this rank."""
+    base = 0 if cfg.device == "cuda" else resident()
+    result = train.train(cfg)
+    return statistics.median(result.step_times[1:]), max(result.peak_memory[1:]) - base
+
+
+def main(args: Args) -> int:
+    import torch
+
+    impl = args.impl or ("solution" if (train.ROOT / "solution" / "fsdp.py").exists() else "student")
+    train.impl_path(impl)
+    world = args.world_size or (2 if args.device == "cpu" else torch.cuda.device_count())
+    if args.device == "cuda" and torch.cuda.device_count() < world:
+        print(f"error: --device cuda needs {world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    print(f"benchmark: {args.model} model, {world} x {args.device}, batch {args.batch_size}, {args.num_steps} "
+          f"steps (first skipped), {args.repeats} interleaved runs each; hand-written: {impl} "
+          f"({train.impl_path(impl)})", flush=True)
+    rows = []
+    for seq in args.seq_lens:
+        base = dict(model=args.model, seq_len=seq, batch_size=args.batch_size, num_steps=args.num_steps,
+                    profile_steps=0, log=False, device=args.device, param_dtype=args.param_dtype,
+                    reduce_dtype=args.reduce_dtype)
+        configs = {"fsdp2": train.Config(fsdp="fsdp2", **base), "effdl": train.Config(fsdp="effdl", impl=impl, **base)}
+        times = {k: [] for k in configs}
+        peaks = {k: [] for k in configs}
+        for r in range(args.repeats):
+            for name in (("fsdp2", "effdl") if r % 2 == 0 else ("effdl", "fsdp2")):
+                with RankPool(world, device=args.device) as pool:
+                    per_rank = pool.run(measure_job, configs[name])
+                times[name].append(max(t for t, _ in per_rank))   # the slowest rank sets the pace
+                peaks[name].append(max(p for _, p in per_rank))
+                print(f"  seq {seq} run {r + 1} {name}: {times[name][-1] * 1000:.0f} ms/step, "
+                      f"peak {peaks[name][-1] / 2**20:.1f} MiB", flush=True)
+        hidden = {}
+        with tempfile.TemporaryDirectory() as tmp, RankPool(world, device=args.device) as pool:
+            for name, cfg in configs.items():
+                traced = dataclasses.replace(cfg, num_steps=3, profile_steps=2, traces_dir=Path(tmp) / name,
+                                             snapshots_dir=Path(tmp) / f"{name}-snapshots")
+                pool.run(train.train, traced)
+                comm = analysis.analyze_run(traced.traces_dir).comm
+                hidden[name] = (comm.all_gather.hidden_fraction, comm.reduce_scatter.hidden_fraction)
+        med = {k: (statistics.median(times[k]), statistics.median(peaks[k])) for k in configs}
+        rows.append((seq, med, hidden))
+
+    target = TARGETS[args.device]
+    print(f"\n{'seq':>5} | {'step FSDP2':>10} {'hand':>8} {'ratio':>6} | {'peak FSDP2':>10} {'hand':>10} {'ratio':>6} |"
+          f" {'AG hidden FSDP2':>15} {'hand':>5} | {'RS hidden FSDP2':>15} {'hand':>5}")
+    for seq, med, hidden in rows:
+        t_ratio = med["effdl"][0] / med["fsdp2"][0]
+        m_ratio = med["effdl"][1] / med["fsdp2"][1]
+        print(f"{seq:>5} | {med['fsdp2'][0] * 1000:>7.0f} ms {med['effdl'][0] * 1000:>5.0f} ms {t_ratio:>6.2f} |"
+              f" {med['fsdp2'][1] / 2**20:>6.1f} MiB {med['effdl'][1] / 2**20:>6.1f} MiB {m_ratio:>6.3f} |"
+              f" {hidden['fsdp2'][0]:>15.0%} {hidden['effdl'][0]:>5.0%} | {hidden['fsdp2'][1]:>15.0%} {hidden['effdl'][1]:>5.0%}")
+    print(f"targets: step-time ratio <= {target} ({args.device}), peak-memory ratio <= 1.00")
+    return 0
+
+
+if __name__ == "__main__":
+    import tyro
+
+    sys.exit(main(tyro.cli(Args)))
