@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import weakref
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -264,7 +265,7 @@ def memory_job(cfg: train.Config) -> tuple[list[int], int]:
     return train.train(cfg).peak_memory, block_bytes
 
 
-# Peak memory is the peak resident set per step (train.py makes it follow every free). The
+# Peak memory is the peak resident set per step, with --exact-cpu-memory so that it follows every free. The
 # hand-written FSDP may exceed FSDP2's by what overlapping costs on gloo plus jitter: gloo copies a
 # reduce-scatter's input when it is issued and keeps the copy while it runs, i.e. during the next
 # block's backward (FSDP2 on CPU waits at once). That is one block's reduce-scatter input: 3.25 MiB
@@ -279,7 +280,7 @@ def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
 
     Each run gets fresh ranks forked from the same preloaded image, so absolute peaks compare
     (in a long-lived process, what earlier jobs left behind shifts them by megabytes)."""
-    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, exact_cpu_memory=True, **overrides)
     what = describe(cfg, pool.world_size)
     peaks = {}
     for name, c in (("FSDP2", dataclasses.replace(cfg, fsdp="fsdp2", impl="student")), ("hand-written", cfg)):
@@ -356,6 +357,8 @@ OVERLAP = {
 def assert_overlap(p: Profiles, which: str) -> None:
     assert_same_collectives(p)
     for kind, phase, fix in OVERLAP[which]:
+        if not p.effdl.comm.kind(kind).by_phase[phase].count:
+            continue  # a mode without such collectives (no all-gather in backward, say)
         got = p.effdl.comm.kind(kind).by_phase[phase].hidden_fraction
         ref = p.fsdp2.comm.kind(kind).by_phase[phase].hidden_fraction
         if got < HIDDEN_THRESHOLD:
@@ -363,3 +366,72 @@ def assert_overlap(p: Profiles, which: str) -> None:
                 f"{p.what}: {kind.replace('_', '-')}s in {phase}: only {got:.0%} of their time ran while "
                 f"compute ran (needs {HIDDEN_THRESHOLD:.0%}; FSDP2 on CPU: {ref:.0%}, it blocks). They are "
                 f"not overlapped: {fix}.")
+
+
+# ---- the bonuses: FSDP2's gradient-accumulation and resharding controls
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A bonus mode: train.py flags, and what it promises about the collectives of a step."""
+
+    name: str
+    flags: dict
+    promise: str
+    holds: "Callable[[analysis.StepStats, int], bool]"
+    """(mean counts per step, number of groups) -> whether the promise holds."""
+
+
+def _count(stats, kind: str, phase: str) -> float:
+    return stats.kind(kind).by_phase[phase].count
+
+
+MODES = {
+    "bonus1": Mode("bonus 1 (reshard_after_forward=False)", dict(reshard_after_forward=False),
+                   "no all-gather in backward",
+                   lambda s, groups: _count(s, "all_gather", "backward") == 0),
+    "bonus2": Mode("bonus 2 (set_reshard_after_backward(False) before the last micro-step)",
+                   dict(reshard_after_backward_before_last_backward=False),
+                   "all-gathers in forward only in the first micro-step (one per group)",
+                   lambda s, groups: _count(s, "all_gather", "forward") == groups),
+    "bonus3": Mode("bonus 3 (set_requires_gradient_sync(False) before the last micro-step)",
+                   dict(reduce_grads_before_last_backward=False),
+                   "reduce-scatters only in the last backward (one per group)",
+                   lambda s, groups: _count(s, "reduce_scatter", "backward") == groups),
+}
+
+
+def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder) -> None:
+    """One profiled run each of FSDP2 and the hand-written FSDP in the given bonus modes: the
+    collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
+    every loss, grad norm and parameter shard equals FSDP2's."""
+    import analysis
+
+    flags = {k: v for m in modes for k, v in MODES[m].flags.items()}
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, num_steps=3, profile_steps=1, **flags)
+    label = " + ".join(MODES[m].name for m in modes)
+    what = f"{label}, {describe(cfg, pool.world_size)}"
+    results, stats = {}, {}
+    for name, which in (("fsdp2", None), ("effdl", impl)):
+        c = dataclasses.replace(cfg, fsdp="fsdp2" if which is None else "effdl", impl=which or "student",
+                                traces_dir=folder / name / "traces", snapshots_dir=folder / name / "snapshots")
+        results[name] = run(pool, train_job, c, True)
+        stats[name] = analysis.analyze_run(c.traces_dir)
+    profiles = Profiles(what, stats["fsdp2"], stats["effdl"])
+    groups = train.model_args(cfg.model, cfg.seq_len, 2048).n_layers + 1
+    for m in modes:
+        for who in ("fsdp2", "effdl"):
+            s = stats[who].comm
+            if not MODES[m].holds(s, groups):
+                shown = {k: fmt(s.kind(k).count_by_phase) for k in ("all_gather", "reduce_scatter")}
+                raise AssertionError(
+                    f"{what}: {'FSDP2' if who == 'fsdp2' else 'the hand-written FSDP'} breaks the promise of "
+                    f"{MODES[m].name}: {MODES[m].promise}; the trace shows per step all-gathers "
+                    f"{shown['all_gather']}, reduce-scatters {shown['reduce_scatter']} ({groups} groups, "
+                    f"{cfg.num_gradient_accumulation_steps} micro-steps)")
+    assert_same_collectives(profiles, f" (in {label})")
+    for which in ("forward", "backward"):
+        assert_overlap(profiles, which)
+    ref, got = results["fsdp2"], results["effdl"]
+    assert_same_numbers(ref[0][0], got[0][0], what)
+    assert_same_parameters([d for _, d in ref], [d for _, d in got], what)

@@ -46,3 +46,22 @@ def test_memory(impl, pool2):
     for param_dtype, reduce_dtype in checks.PRECISIONS:
         checks.check_memory(pool2, impl, param_dtype, reduce_dtype)
         checks.check_residency(pool2, impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+@pytest.mark.parametrize("bonus", ["bonus1", "bonus2", "bonus3"])
+def test_bonus(impl, pool2, bonus, tmp_path):
+    """Each bonus mode in the 4 precision cases: collectives per phase as FSDP2's and as the mode
+    promises, overlap kept, losses/grad norms/shards bit-identical, memory within the margin."""
+    for param_dtype, reduce_dtype in checks.PRECISIONS:
+        checks.check_mode(pool2, impl, [bonus], param_dtype, reduce_dtype, tmp_path / f"{param_dtype}-{reduce_dtype}")
+        checks.check_memory(pool2, impl, param_dtype, reduce_dtype, **checks.MODES[bonus].flags)
+
+
+@pytest.mark.parametrize("bonuses", [["bonus2", "bonus3"], ["bonus1", "bonus2", "bonus3"]])
+def test_bonuses_combined(impl, pool2, bonuses, tmp_path):
+    """Bonuses 2 and 3 together, with and without bonus 1: every promise and FSDP2's collectives
+    (float32), and losses, grad norms and shards bit-identical to FSDP2 in every precision case."""
+    checks.check_mode(pool2, impl, bonuses, "float32", "float32", tmp_path)
+    flags = {k: v for b in bonuses for k, v in checks.MODES[b].flags.items()}
+    for param_dtype, reduce_dtype in checks.PRECISIONS[1:]:
+        checks.check_parity(pool2, impl, param_dtype, reduce_dtype, **flags)

@@ -82,6 +82,9 @@ class Config:
     """default: snapshots/<fsdp>."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA + NCCL when every rank has its own GPU, else CPU + gloo."""
+    exact_cpu_memory: bool = False
+    """CPU: hand freed memory back to the OS at once (allocations of 64 KiB or more get their own
+    mapping), so the logged peak rss is each step's true peak; costs speed (page faults)."""
     log: bool = True
     """rank 0 prints one line per step."""
 
@@ -156,7 +159,6 @@ def init_distributed(device_flag: str = "auto") -> torch.device:
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
         else:
-            cpu_memory_setup()
             dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     return current_device(device_flag)
 
@@ -270,6 +272,8 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     validate(cfg, world_size)
     device = current_device(cfg.device)
+    if device.type == "cpu" and cfg.exact_cpu_memory:
+        cpu_memory_setup()
 
     if rank == 0:
         assets.ensure(ROOT, log=lambda msg: print(msg, flush=True))
@@ -352,7 +356,8 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> int:
-    """Bytes: CUDA's peak allocated; on CPU the step's peak resident set size (see cpu_memory_setup)."""
+    """Bytes: CUDA's peak allocated; on CPU the step's peak resident set size (exact only with
+    --exact-cpu-memory, see cpu_memory_setup)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     if _STATUS.exists():
@@ -366,10 +371,11 @@ _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
 
 
 def cpu_memory_setup() -> None:
-    """Make peak RSS a faithful CPU memory measure: with a fixed mmap threshold (glibc), every
-    allocation of 64 KiB or more gets its own mapping and goes back to the OS when freed, on
-    whichever thread frees it (gloo frees buffers on its own threads, which the profiler's
-    memory events miss). Without it, glibc may keep freed blocks and RSS never falls."""
+    """Make peak RSS a faithful CPU memory measure (--exact-cpu-memory): with a fixed mmap
+    threshold (glibc), every allocation of 64 KiB or more gets its own mapping and goes back to
+    the OS when freed, on whichever thread frees it (gloo frees buffers on its own threads, which
+    the profiler's memory events miss). Without it glibc keeps freed blocks for reuse, so RSS
+    shows the most the process ever held. The setting lasts for the life of the process."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     except OSError:

@@ -130,3 +130,12 @@ def test_overlap_check_fails_without_the_task(pool2, tmp_path, strip, fails, pas
             checks.assert_overlap(profiles, which)
     for which in passes:
         checks.assert_overlap(profiles, which)
+
+
+@pytest.mark.parametrize("bonus", ["bonus1", "bonus2", "bonus3"])
+def test_bonus_check_fails_without_the_bonus(pool2, tmp_path, bonus):
+    """The reference with one bonus region stripped breaks that bonus's promise, by name."""
+    variant = tmp_path / f"without_{bonus}.py"
+    variant.write_text(make_skeleton.render(SOLUTION.read_text(), strip={bonus}))
+    with pytest.raises(AssertionError, match=rf"hand-written FSDP breaks the promise of bonus {bonus[-1]}"):
+        checks.check_mode(pool2, str(variant), [bonus], "float32", "float32", tmp_path / "run")
