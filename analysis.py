@@ -13,8 +13,8 @@ Instead of reading Perfetto and memory_viz by eye, this computes for every profi
 
 Collectives
 -----------
-A collective is *counted* once per c10d dispatcher op on the main thread (the thread with the
-`ProfilerStep#N` ranges): `c10d::_allgather_base_`, `c10d::_reduce_scatter_base_`,
+A collective is *counted* once per c10d dispatcher op, on whichever thread issued it (the main
+thread, with the `ProfilerStep#N` ranges; on CUDA backward hooks run on autograd's device thread): `c10d::_allgather_base_`, `c10d::_reduce_scatter_base_`,
 `c10d::allreduce_` (C10D_OPS). Its *phase* is the `## forward ##` / `## backward ##` /
 `## optimizer ##` range containing the op; FSDP's last reduce-scatters run in autograd's final
 callback, still inside `## backward ##`. Anything else (the loss all-reduce) is "other".
@@ -271,7 +271,8 @@ class Trace:
         labels = {f"## {p} ##": p for p in PHASES}
         self.phases = Ranges((e["ts"], e["ts"] + e["dur"], labels[e["name"]])
                              for e in annotations if e["name"] in labels)
-        self.ops = sorted((e for e in self.on_main if e["name"] in C10D_OPS), key=lambda e: e["ts"])
+        # c10d ops of every thread: on CUDA, FSDP's backward hooks run on autograd's device thread.
+        self.ops = sorted((e for e in self.ranges if e["name"] in C10D_OPS), key=lambda e: e["ts"])
         self.kernels = [e for e in self.ranges if e.get("cat") == "kernel"]
         self.cuda = bool(self.kernels)
 
@@ -581,6 +582,10 @@ def main(argv: list[str] | None = None) -> None:
     snapshots = args.snapshots or [snapshots_dir_for(t) for t in args.traces]
     if len(snapshots) != len(args.traces):
         parser.error("give one snapshot directory per trace directory")
+    missing = [str(t) for t in args.traces if not t.is_dir()]
+    missing += [str(s) for s in (args.snapshots or []) if not s.is_dir()]  # asked for explicitly
+    if missing:
+        parser.error(f"no such directory: {', '.join(missing)} (train.py writes traces/<fsdp> and snapshots/<fsdp>)")
     runs = {}
     for traces, snaps in zip(args.traces, snapshots):
         name = traces.name or str(traces)

@@ -50,14 +50,9 @@ class Args:
     reduce_dtype: Literal["float32", "bfloat16", "none"] = "none"
 
 
-def resident() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def measure_job(cfg: train.Config) -> tuple[float, int]:
     """(median step time after warm-up, peak memory of the run) on this rank."""
-    base = 0 if cfg.device == "cuda" else resident()
+    base = 0 if cfg.device == "cuda" else train.resident_bytes()
     result = train.train(cfg)
     return statistics.median(result.step_times[1:]), max(result.peak_memory[1:]) - base
 
@@ -65,7 +60,7 @@ def measure_job(cfg: train.Config) -> tuple[float, int]:
 def main(args: Args) -> int:
     import torch
 
-    impl = args.impl or ("solution" if (train.ROOT / "solution" / "fsdp.py").exists() else "student")
+    impl = args.impl or train.default_impl()
     train.impl_path(impl)
     world = args.world_size or (2 if args.device == "cpu" else torch.cuda.device_count())
     if args.device == "cuda" and torch.cuda.device_count() < world:

@@ -27,6 +27,7 @@ it is written), then task2 and task3 (overlap), then the bonuses. Check your wor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -89,18 +90,29 @@ class FSDPParam:
         world, rank = mesh.size(), mesh.get_local_rank()
         self.row_shape = tuple(param.shape[1:])
         self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
-        self.padded_numel = self.padded_rows * _prod(self.row_shape)
+        self.padded_numel = self.padded_rows * math.prod(self.row_shape)
         self.rows = [max(0, min(self.padded_rows, param.shape[0] - r * self.padded_rows)) for r in range(world)]
         self.local_shape = (self.rows[rank], *self.row_shape)
 
         # TODO(task1): shard: copy this rank's rows into a zero-padded buffer of chunk 0's size
         # (`self.padded_shard`, what the all-gather sends); the local rows at its front become
-        # the sharded parameter, an nn.Parameter(DTensor) placed Shard(0) (see to_dtensor)
-        raise NotImplementedError("TODO(task1): shard: copy this rank's rows into a zero-padded buffer of chunk 0's size (`self.padded_shard`, what the all-gather sends); the local rows at its front become the sharded parameter, an nn.Parameter(DTensor) placed Shard(0) (see to_dtensor)")
+        # `self.sharded`, an nn.Parameter over to_dtensor(those rows), with the parameter's
+        # requires_grad (the rows must stay a view: the optimizer updates what the all-gather sends)
+        raise NotImplementedError("TODO(task1): shard: copy this rank's rows into a zero-padded buffer of chunk 0's size (`self.padded_shard`, what the all-gather sends); the local rows at its front become `self.sharded`, an nn.Parameter over to_dtensor(those rows), with the parameter's requires_grad (the rows must stay a view: the optimizer updates what the all-gather sends)")
         self.gathered: torch.Tensor | None = None    # world * padded rows, compute dtype
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
         self.to_sharded()
+
+    def check_storage(self) -> None:
+        """The all-gather sends `padded_shard`, whose front rows the optimizer updates through the
+        sharded parameter: if something replaced the parameter, they would silently part ways."""
+        local = self.sharded.to_local()
+        if local.untyped_storage().data_ptr() != self.padded_shard.untyped_storage().data_ptr():
+            raise RuntimeError(
+                f"fully_shard: {self.name}'s sharded parameter no longer uses the storage FSDP gathers "
+                "from (was the module moved or reloaded after fully_shard, e.g. .to(), to_empty() or "
+                "load_state_dict(assign=True)?); do that before fully_shard, or copy values in place")
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's rows (of the parameter or of its gradient) as a Shard(0) DTensor."""
@@ -157,16 +169,10 @@ class FSDPParam:
 
     def accumulate_grad(self) -> None:
         """After a backward without gradient sync: keep the full gradient for the next one."""
-        # TODO(bonus3): autograd already adds into `.grad`, except under mixed precision: there
-        # FSDP2 accumulates in an upcast copy (`self.accumulated_grad`, reduce dtype), which
-        # gives different bits; take_grad hands the accumulator over at the synced backward
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        # TODO(bonus3): autograd already adds into `.grad`, except when the reduce dtype differs
+        # from the compute dtype: then FSDP2 accumulates in a copy in the reduce dtype
+        # (`self.accumulated_grad`, dtype `self.accumulate_dtype`), which gives other bits;
+        # take_grad hands the accumulator over at the synced backward
 
 
 # --------------------------------------------------------------------------------------
@@ -227,6 +233,8 @@ class FSDPGroup:
         """Start gathering the full parameters (no-op if gathered or already on the way)."""
         if self.is_unsharded or self.pending_gather is not None:
             return
+        for p in self.params:
+            p.check_storage()
         # TODO(task1): all-gather: copy this rank's padded shards (cast to the compute dtype)
         # into its row of one flat buffer, then one all_gather_into_tensor, asynchronously
         raise NotImplementedError("TODO(task1): all-gather: copy this rank's padded shards (cast to the compute dtype) into its row of one flat buffer, then one all_gather_into_tensor, asynchronously")
@@ -265,9 +273,10 @@ class FSDPGroup:
             return None
         # TODO(task1): lay the gradients out as [world, shard_numel] in the reduce dtype, each
         # parameter at its offset (copy_grad_in; zeros where a parameter has no gradient), free
-        # them, then one asynchronous reduce_scatter_tensor with ReduceOp.AVG (SUM at world
-        # size 1) into a [shard_numel] output
-        raise NotImplementedError("TODO(task1): lay the gradients out as [world, shard_numel] in the reduce dtype, each parameter at its offset (copy_grad_in; zeros where a parameter has no gradient), free them, then one asynchronous reduce_scatter_tensor with ReduceOp.AVG (SUM at world size 1) into a [shard_numel] output")
+        # them, then one asynchronous reduce_scatter_tensor into a [shard_numel] output, with
+        # ReduceOp.AVG (SUM at world size 1, as FSDP2: a world of one has nothing to average);
+        # return a PendingReduce listing the parameters that had a gradient
+        raise NotImplementedError("TODO(task1): lay the gradients out as [world, shard_numel] in the reduce dtype, each parameter at its offset (copy_grad_in; zeros where a parameter has no gradient), free them, then one asynchronous reduce_scatter_tensor into a [shard_numel] output, with ReduceOp.AVG (SUM at world size 1, as FSDP2: a world of one has nothing to average); return a PendingReduce listing the parameters that had a gradient")
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         """The reduce-scatter is done: give each parameter its slice as sharded gradient."""
@@ -364,9 +373,11 @@ class FSDPState:
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.group is not None:
-            # TODO(bonus1): with reshard_after_forward=False (and for the root by default) the
-            # parameters stay gathered until backward
-            self.group.reshard()
+            # TODO(bonus1): with reshard_after_forward=False the parameters stay gathered until
+            # backward (the root's default, set in lazy_init; other groups when asked)
+            # stand-in until this TODO is done (replace it):
+            if self is not self.ctx.states[0]:  # the root stays gathered, as in FSDP2
+                self.group.reshard()
         if not torch.is_grad_enabled():
             return output
         if self.group is not None:
@@ -405,6 +416,7 @@ class FSDPState:
         group = self.group
         # TODO(bonus2): with reshard_after_backward=False the parameters stay gathered, so the
         # next forward needs no all-gather
+        # stand-in until this TODO is done (replace it):
         group.reshard()
         # TODO(bonus3): without gradient sync, keep the full gradients and skip the reduce-scatter
         # At most one reduce-scatter in flight, as in FSDP2: the previous one's buffers are
@@ -415,6 +427,7 @@ class FSDPState:
             return
         # TODO(task3): leave the reduce-scatter in flight so it overlaps the backward of the group
         # before (the next post-backward or the end of backward finishes it)
+        # stand-in until this TODO is done (replace it):
         pending.finish()
 
     def final_callback(self) -> None:
@@ -460,6 +473,8 @@ class _PostBackward(torch.autograd.Function):
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_map_tensors(fn, o) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(fn, o) for o in obj)
     if isinstance(obj, dict):
@@ -547,9 +562,14 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     params = [FSDPParam(m, n, p, mesh, mp_policy) for m, n, p in _managed_parameters(module)]
     group = FSDPGroup(params, mesh) if params else None
     cls = module.__class__
-    module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    if cls not in _FSDP_CLASSES:  # one FSDP class per module class, as FSDP2
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _FSDP_CLASSES[cls]
     module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward)
     return module
+
+
+_FSDP_CLASSES: dict[type, type] = {}
 
 
 def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -574,14 +594,16 @@ def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Para
 
 def _check_arguments(module: nn.Module, mesh: DeviceMesh | None, reshard_after_forward: Any,
                      mp_policy: Any, unsupported: dict[str, Any]) -> None:
-    fsdp2_only = {"shard_placement_fn", "offload_policy", "ignored_params"}
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
     for name, value in unsupported.items():
-        if name in fsdp2_only:
-            if value is not None and type(value).__name__ != "OffloadPolicy":
-                raise NotImplementedError(f"fully_shard: {name} is an FSDP2 feature this FSDP does not "
-                                          f"implement; drop it or use torch.distributed.fsdp.fully_shard")
-        else:
+        harmless = {"shard_placement_fn": value is None, "ignored_params": not value,
+                    "offload_policy": isinstance(value, OffloadPolicy) and not isinstance(value, CPUOffloadPolicy)}
+        if name not in harmless:
             raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
+        if not harmless[name]:
+            raise NotImplementedError(f"fully_shard: {name}={value!r} is an FSDP2 feature this FSDP does "
+                                      "not implement; drop it or use torch.distributed.fsdp.fully_shard")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes one nn.Module (lists of modules are not supported), got {type(module).__name__}")
     if isinstance(module, FSDPModule):

@@ -106,7 +106,7 @@ def _todo(region: Region, needs_statement: bool) -> list[str]:
         message = f"TODO({region.tag}): {' '.join(region.hint)}".replace("\\", "\\\\").replace('"', '\\"')
         return lines + [f'{ind}raise NotImplementedError("{message}")']
     if region.fallback:
-        return lines + [ind + code for code in region.fallback]
+        return lines + [f"{ind}# stand-in until this TODO is done (replace it):"] + [ind + code for code in region.fallback]
     return lines + ([f"{ind}pass"] if needs_statement else [])
 
 

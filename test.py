@@ -17,9 +17,10 @@ import checks
 def test_fsdp(impl, world, request):
     """Task 1: every step's loss and grad norm bit-identical to FSDP2 in the 4 precision cases,
     parameters Shard(0) DTensors after wrapping and between steps, at world sizes 2 and 3
-    (3 pads every shard: 256 rows do not divide by 3); odd shapes incl. empty shards."""
+    (3 pads every shard: 256 rows do not divide by 3); also without mixed precision and with the
+    reduce dtype left unset (world 2); odd shapes incl. empty shards."""
     pool = request.getfixturevalue(f"pool{world}")
-    for param_dtype, reduce_dtype in checks.PRECISIONS:
+    for param_dtype, reduce_dtype in checks.PRECISIONS + (checks.UNSET_PRECISIONS if world == 2 else []):
         checks.check_parity(pool, impl, param_dtype, reduce_dtype)
     checks.check_odd_shapes(pool, impl)
 
@@ -62,6 +63,5 @@ def test_bonuses_combined(impl, pool2, bonuses, tmp_path):
     """Bonuses 2 and 3 together, with and without bonus 1: every promise and FSDP2's collectives
     (float32), and losses, grad norms and shards bit-identical to FSDP2 in every precision case."""
     checks.check_mode(pool2, impl, bonuses, "float32", "float32", tmp_path)
-    flags = {k: v for b in bonuses for k, v in checks.MODES[b].flags.items()}
     for param_dtype, reduce_dtype in checks.PRECISIONS[1:]:
-        checks.check_parity(pool2, impl, param_dtype, reduce_dtype, **flags)
+        checks.check_parity(pool2, impl, param_dtype, reduce_dtype, **checks.mode_flags(bonuses))

@@ -100,7 +100,7 @@ class TrainResult:
     snapshot_path: Path | None = None
 
 
-def validate(cfg: Config, world_size: int) -> None:
+def validate(cfg: Config) -> None:
     for name in ("num_steps", "seq_len", "batch_size", "num_gradient_accumulation_steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -204,6 +204,20 @@ def build_model(cfg: Config, device: torch.device, vocab_size: int) -> nn.Module
     return model
 
 
+def default_impl() -> str:
+    """The reference where this copy has it, else the student file."""
+    return "solution" if (ROOT / "solution" / "fsdp.py").exists() else "student"
+
+
+def resident_bytes() -> int:
+    """Bytes resident now (Linux; 0 where /proc is missing)."""
+    if _STATUS.exists():
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def impl_path(impl: str) -> Path:
     """The file --impl names: student, solution, or a path."""
     path = {"student": ROOT / "fsdp.py", "solution": ROOT / "solution" / "fsdp.py"}.get(impl, Path(impl))
@@ -270,7 +284,7 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     `inspect(model, step)` runs after wrapping (step 0) and after every optimizer step.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    validate(cfg, world_size)
+    validate(cfg)
     device = current_device(cfg.device)
     if device.type == "cpu" and cfg.exact_cpu_memory:
         cpu_memory_setup()
@@ -364,7 +378,8 @@ def peak_memory(device: torch.device) -> int:
         for line in _STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # elsewhere: peak since start (KiB)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # elsewhere: the peak since start
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
@@ -388,7 +403,7 @@ def memory_label(device: torch.device) -> str:
 
 def main(cfg: Config) -> None:
     try:
-        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        validate(cfg)
         device = init_distributed(cfg.device)
         if dist.get_rank() == 0:
             print(f"{cfg.fsdp}{'/' + cfg.impl if cfg.fsdp == 'effdl' else ''}: {cfg.model} model on "

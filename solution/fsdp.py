@@ -26,6 +26,7 @@ fsdp.py is generated from this one with each region replaced by a TODO.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -88,13 +89,14 @@ class FSDPParam:
         world, rank = mesh.size(), mesh.get_local_rank()
         self.row_shape = tuple(param.shape[1:])
         self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
-        self.padded_numel = self.padded_rows * _prod(self.row_shape)
+        self.padded_numel = self.padded_rows * math.prod(self.row_shape)
         self.rows = [max(0, min(self.padded_rows, param.shape[0] - r * self.padded_rows)) for r in range(world)]
         self.local_shape = (self.rows[rank], *self.row_shape)
 
         # region task1: shard: copy this rank's rows into a zero-padded buffer of chunk 0's size
         # (`self.padded_shard`, what the all-gather sends); the local rows at its front become
-        # the sharded parameter, an nn.Parameter(DTensor) placed Shard(0) (see to_dtensor)
+        # `self.sharded`, an nn.Parameter over to_dtensor(those rows), with the parameter's
+        # requires_grad (the rows must stay a view: the optimizer updates what the all-gather sends)
         start = rank * self.padded_rows
         self.padded_shard = param.detach().new_zeros((self.padded_rows, *self.row_shape))
         self.padded_shard[:self.rows[rank]].copy_(param.detach()[start:start + self.rows[rank]])
@@ -105,6 +107,16 @@ class FSDPParam:
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
         self.to_sharded()
+
+    def check_storage(self) -> None:
+        """The all-gather sends `padded_shard`, whose front rows the optimizer updates through the
+        sharded parameter: if something replaced the parameter, they would silently part ways."""
+        local = self.sharded.to_local()
+        if local.untyped_storage().data_ptr() != self.padded_shard.untyped_storage().data_ptr():
+            raise RuntimeError(
+                f"fully_shard: {self.name}'s sharded parameter no longer uses the storage FSDP gathers "
+                "from (was the module moved or reloaded after fully_shard, e.g. .to(), to_empty() or "
+                "load_state_dict(assign=True)?); do that before fully_shard, or copy values in place")
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's rows (of the parameter or of its gradient) as a Shard(0) DTensor."""
@@ -174,7 +186,7 @@ class FSDPParam:
         """Store this rank's reduced rows (`shard`: padded, original dtype) as the gradient."""
         # region task1: the first rows of `shard` become the sharded parameter's gradient, a
         # Shard(0) DTensor like the parameter; if a gradient is already there, add to it
-        local = shard[:_prod(self.local_shape)].view(self.local_shape)
+        local = shard[:math.prod(self.local_shape)].view(self.local_shape)
         if self.sharded.grad is None:
             self.sharded.grad = self.to_dtensor(local)
         else:
@@ -183,9 +195,10 @@ class FSDPParam:
 
     def accumulate_grad(self) -> None:
         """After a backward without gradient sync: keep the full gradient for the next one."""
-        # region bonus3: autograd already adds into `.grad`, except under mixed precision: there
-        # FSDP2 accumulates in an upcast copy (`self.accumulated_grad`, reduce dtype), which
-        # gives different bits; take_grad hands the accumulator over at the synced backward
+        # region bonus3: autograd already adds into `.grad`, except when the reduce dtype differs
+        # from the compute dtype: then FSDP2 accumulates in a copy in the reduce dtype
+        # (`self.accumulated_grad`, dtype `self.accumulate_dtype`), which gives other bits;
+        # take_grad hands the accumulator over at the synced backward
         grad = self.unsharded.grad if self.unsharded is not None else None
         if grad is None:
             return
@@ -197,13 +210,6 @@ class FSDPParam:
             return
         self.unsharded.grad = None
         # endregion
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # --------------------------------------------------------------------------------------
@@ -264,6 +270,8 @@ class FSDPGroup:
         """Start gathering the full parameters (no-op if gathered or already on the way)."""
         if self.is_unsharded or self.pending_gather is not None:
             return
+        for p in self.params:
+            p.check_storage()
         # region task1: all-gather: copy this rank's padded shards (cast to the compute dtype)
         # into its row of one flat buffer, then one all_gather_into_tensor, asynchronously
         flat = torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
@@ -316,8 +324,9 @@ class FSDPGroup:
             return None
         # region task1: lay the gradients out as [world, shard_numel] in the reduce dtype, each
         # parameter at its offset (copy_grad_in; zeros where a parameter has no gradient), free
-        # them, then one asynchronous reduce_scatter_tensor with ReduceOp.AVG (SUM at world
-        # size 1) into a [shard_numel] output
+        # them, then one asynchronous reduce_scatter_tensor into a [shard_numel] output, with
+        # ReduceOp.AVG (SUM at world size 1, as FSDP2: a world of one has nothing to average);
+        # return a PendingReduce listing the parameters that had a gradient
         flat = torch.empty((self.world, self.shard_numel), dtype=self.reduce_dtype, device=self.device)
         for p, grad, start, end in zip(self.params, grads, self.offsets, self.offsets[1:]):
             if grad is None:
@@ -325,10 +334,10 @@ class FSDPGroup:
             else:
                 p.copy_grad_in(grad, flat[:, start:end])
         reduced = [p for p, grad in zip(self.params, grads) if grad is not None]
-        del grads  # the full gradients are freed here, before the collective runs
+        del grads, grad  # the full gradients are freed here, before the collective runs
         output = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        # FSDP2's choice, and the only one bit-equal to it at every world size: average
-        # inside the collective, no division before or after.
+        # FSDP2's choice: average inside the collective. Dividing before it gives other bits at
+        # world size 3 (at 2 every order happens to agree).
         op = dist.ReduceOp.AVG if self.world > 1 else dist.ReduceOp.SUM
         work = dist.reduce_scatter_tensor(output, flat.view(-1), op=op, group=self.process_group,
                                           async_op=True)
@@ -437,11 +446,12 @@ class FSDPState:
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.group is not None:
-            # region bonus1: with reshard_after_forward=False (and for the root by default) the
-            # parameters stay gathered until backward
+            # region bonus1: with reshard_after_forward=False the parameters stay gathered until
+            # backward (the root's default, set in lazy_init; other groups when asked)
             if self.group.reshard_after_forward:
                 self.group.reshard()
-            # else: self.group.reshard()
+            # else: if self is not self.ctx.states[0]:  # the root stays gathered, as in FSDP2
+            # else:     self.group.reshard()
             # endregion
         if not torch.is_grad_enabled():
             return output
@@ -550,6 +560,8 @@ class _PostBackward(torch.autograd.Function):
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_map_tensors(fn, o) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(fn, o) for o in obj)
     if isinstance(obj, dict):
@@ -637,9 +649,14 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     params = [FSDPParam(m, n, p, mesh, mp_policy) for m, n, p in _managed_parameters(module)]
     group = FSDPGroup(params, mesh) if params else None
     cls = module.__class__
-    module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    if cls not in _FSDP_CLASSES:  # one FSDP class per module class, as FSDP2
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _FSDP_CLASSES[cls]
     module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward)
     return module
+
+
+_FSDP_CLASSES: dict[type, type] = {}
 
 
 def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -664,14 +681,16 @@ def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Para
 
 def _check_arguments(module: nn.Module, mesh: DeviceMesh | None, reshard_after_forward: Any,
                      mp_policy: Any, unsupported: dict[str, Any]) -> None:
-    fsdp2_only = {"shard_placement_fn", "offload_policy", "ignored_params"}
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
     for name, value in unsupported.items():
-        if name in fsdp2_only:
-            if value is not None and type(value).__name__ != "OffloadPolicy":
-                raise NotImplementedError(f"fully_shard: {name} is an FSDP2 feature this FSDP does not "
-                                          f"implement; drop it or use torch.distributed.fsdp.fully_shard")
-        else:
+        harmless = {"shard_placement_fn": value is None, "ignored_params": not value,
+                    "offload_policy": isinstance(value, OffloadPolicy) and not isinstance(value, CPUOffloadPolicy)}
+        if name not in harmless:
             raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
+        if not harmless[name]:
+            raise NotImplementedError(f"fully_shard: {name}={value!r} is an FSDP2 feature this FSDP does "
+                                      "not implement; drop it or use torch.distributed.fsdp.fully_shard")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes one nn.Module (lists of modules are not supported), got {type(module).__name__}")
     if isinstance(module, FSDPModule):

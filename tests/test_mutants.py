@@ -42,6 +42,11 @@ MUTANTS = {
         "            if self.group.reshard_after_forward:\n                self.group.reshard()\n",
         "            pass\n",
     ),
+    # Bonus 3 accumulating in the compute dtype (bf16) instead of FSDP2's reduce-dtype copy.
+    "accumulate-in-compute-dtype": (
+        "            self.accumulated_grad = grad.to(self.accumulate_dtype)\n",
+        "            self.accumulated_grad = grad.clone()\n",
+    ),
     # Keeping every all-gather buffer: memory grows step after step.
     "leak-gather-buffers": (
         "        columns = flat.view(self.world, self.shard_numel)\n",
@@ -139,3 +144,8 @@ def test_bonus_check_fails_without_the_bonus(pool2, tmp_path, bonus):
     variant.write_text(make_skeleton.render(SOLUTION.read_text(), strip={bonus}))
     with pytest.raises(AssertionError, match=rf"hand-written FSDP breaks the promise of bonus {bonus[-1]}"):
         checks.check_mode(pool2, str(variant), [bonus], "float32", "float32", tmp_path / "run")
+
+
+def test_bonus3_parity_fails_when_accumulating_in_the_compute_dtype(mutant, pool2, tmp_path):
+    with pytest.raises(AssertionError, match="differ"):
+        checks.check_mode(pool2, mutant("accumulate-in-compute-dtype"), ["bonus3"], "bfloat16", "float32", tmp_path)
