@@ -331,15 +331,21 @@ class Profiles:
 
 
 def profile_both(pool: RankPool, impl: str, folder, **overrides) -> Profiles:
+    cfg = config(impl, num_steps=3, profile_steps=2, **overrides)
+    return run_profiled(pool, cfg, folder, describe(cfg, pool.world_size))[0]
+
+
+def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, check_shards: bool = False):
+    """Profiled runs of FSDP2 and the hand-written FSDP (same config otherwise): their analysed
+    traces, and per implementation the per-rank (result, digests) of train_job."""
     import analysis
 
-    stats = {}
-    for name, which in (("fsdp2", None), ("effdl", impl)):
-        cfg = config(which, num_steps=3, profile_steps=2, traces_dir=folder / name / "traces",
-                     snapshots_dir=folder / name / "snapshots", **overrides)
-        run(pool, train.train, cfg)
+    results, stats = {}, {}
+    for name, cfg in (("fsdp2", as_fsdp2(cfg_effdl)), ("effdl", cfg_effdl)):
+        cfg = dataclasses.replace(cfg, traces_dir=folder / name / "traces", snapshots_dir=folder / name / "snapshots")
+        results[name] = run(pool, train_job, cfg, check_shards)
         stats[name] = analysis.analyze_run(cfg.traces_dir)
-    return Profiles(describe(cfg, pool.world_size), stats["fsdp2"], stats["effdl"])
+    return Profiles(what, stats["fsdp2"], stats["effdl"]), results
 
 
 def assert_same_collectives(p: Profiles, promise: str = "") -> None:
@@ -425,19 +431,12 @@ def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, re
     """One profiled run each of FSDP2 and the hand-written FSDP in the given bonus modes: the
     collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
     every loss, grad norm and parameter shard equals FSDP2's."""
-    import analysis
-
-    flags = mode_flags(modes)
-    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, num_steps=3, profile_steps=1, **flags)
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, num_steps=3, profile_steps=1,
+                 **mode_flags(modes))
     label = " + ".join(MODES[m].name for m in modes)
     what = f"{label}, {describe(cfg, pool.world_size)}"
-    results, stats = {}, {}
-    for name, which in (("fsdp2", None), ("effdl", impl)):
-        c = dataclasses.replace(cfg, fsdp="fsdp2" if which is None else "effdl", impl=which or "student",
-                                traces_dir=folder / name / "traces", snapshots_dir=folder / name / "snapshots")
-        results[name] = run(pool, train_job, c, True)
-        stats[name] = analysis.analyze_run(c.traces_dir)
-    profiles = Profiles(what, stats["fsdp2"], stats["effdl"])
+    profiles, results = run_profiled(pool, cfg, folder, what, check_shards=True)
+    stats = {"fsdp2": profiles.fsdp2, "effdl": profiles.effdl}
     groups = train.model_args(cfg.model, cfg.seq_len, assets.vocab_size()).n_layers + 1
     for m in modes:
         for who in ("fsdp2", "effdl"):

@@ -211,11 +211,7 @@ def default_impl() -> str:
 
 def resident_bytes() -> int:
     """Bytes resident now (Linux; 0 where /proc is missing)."""
-    if _STATUS.exists():
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS") or 0
 
 
 def impl_path(impl: str) -> Path:
@@ -374,15 +370,22 @@ def peak_memory(device: torch.device) -> int:
     --exact-cpu-memory, see cpu_memory_setup)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    if _STATUS.exists():
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+    if (peak := _status_bytes("VmHWM")) is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # elsewhere: the peak since start
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
+
+
+def _status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (Linux), in bytes; None where there is none."""
+    if _STATUS.exists():
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def cpu_memory_setup() -> None:
