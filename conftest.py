@@ -7,36 +7,29 @@ import pytest
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--impl", default=None,
-        help="hand-written FSDP under test: student (fsdp.py), solution (solution/fsdp.py) or a .py path; "
-             "default: solution when solution/ exists, else student",
+        "--impl", default="student",
+        help="hand-written FSDP under test: student (fsdp.py, the default) or the path of a .py file",
     )
 
 
-def impl_under_test(config) -> str:
-    import train
-
-    return config.getoption("--impl") or train.default_impl()
-
-
 def pytest_report_header(config):
-    import train
+    from harness import impl
+    from harness.errors import ConfigError
 
-    impl = impl_under_test(config)
     try:
-        path = train.impl_path(impl)
-    except train.ConfigError as e:
+        path = impl.impl_path(config.getoption("--impl"))
+    except ConfigError as e:
         raise pytest.UsageError(str(e)) from None
-    return f"hand-written FSDP under test: {impl} ({path})"
+    return f"hand-written FSDP under test: {path}"
 
 
 @pytest.fixture(scope="session")
 def impl(request) -> str:
-    return impl_under_test(request.config)
+    return request.config.getoption("--impl")
 
 
 def _pool(world_size: int):
-    from ranks import RankPool
+    from harness.ranks import RankPool
 
     pool = RankPool(world_size, device="cpu")
     yield pool

@@ -2,15 +2,14 @@
 
     uv run pytest test.py::test_fsdp                 # task 1
     uv run pytest test.py                            # everything
-    uv run pytest test.py --impl student             # fsdp.py (default when solution/ is absent)
-    uv run pytest test.py --impl path/to/fsdp.py     # any submission
+    uv run pytest test.py --impl path/to/fsdp.py     # any other file (default: fsdp.py)
 
 The header names the file under test. Each check says what differs and at which step.
 """
 
 import pytest
 
-import checks
+from harness import checks
 
 
 @pytest.mark.parametrize("world", [2, 3])

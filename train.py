@@ -3,24 +3,19 @@
     uv run torchrun --nproc-per-node 2 train.py --fsdp fsdp2
     uv run torchrun --nproc-per-node 2 train.py --fsdp effdl     # your fsdp.py
 
-Every implementation is wrapped by the same function and driven by the same loop,
-so losses, grad norms, traces (traces/<fsdp>/rank{r}.json) and memory snapshots
-(snapshots/<fsdp>/rank{r}.pickle) compare like for like. `train(cfg)` is also
-importable: it returns every step's loss and grad norm.
+Every implementation is wrapped by the same function and driven by the same loop, so
+losses, grad norms, traces (traces/<run>/rank{r}.json) and memory snapshots
+(snapshots/<run>/rank{r}.pickle) compare like for like. `train(cfg)` is also importable:
+it returns every step's loss, grad norm, time and peak memory.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import importlib
-import importlib.util
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Callable, Literal
@@ -35,15 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-import assets
-import profiling
+from harness import assets, impl, memory, profiling
+from harness.distributed import current_device, init_distributed, shutdown_distributed
+from harness.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
-
-
-class ConfigError(ValueError):
-    """A flag combination that cannot run; the message says which and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +44,8 @@ class Config:
     """fsdp2: torch.distributed.fsdp.fully_shard; effdl: the hand-written FSDP; none: no sharding
     (each rank holds the whole model, gradients averaged with DistributedDataParallel)."""
     impl: str = "student"
-    """which hand-written FSDP --fsdp effdl imports: student (fsdp.py), solution (solution/fsdp.py),
-    or the path of any .py file with fully_shard and MixedPrecisionPolicy (e.g. a submission)."""
+    """which hand-written FSDP --fsdp effdl imports: student (fsdp.py) or the path of any .py file
+    with fully_shard and MixedPrecisionPolicy (e.g. a submission)."""
     model: Literal["debug", "1b"] = "debug"
     """debug: torchtitan's debugmodel (dim 256, 6 layers); 1b: a Llama 3.2 1B-sized model."""
     num_steps: int = 5
@@ -77,9 +69,9 @@ class Config:
     profile_steps: int = 2
     """profile the last N steps (trace + memory snapshot); 0 turns profiling off."""
     traces_dir: Path | None = None
-    """default: traces/<fsdp>."""
+    """default: traces/<run>: fsdp2, none, effdl (fsdp.py) or effdl-<path> (another --impl)."""
     snapshots_dir: Path | None = None
-    """default: snapshots/<fsdp>."""
+    """default: snapshots/<run>, named as traces."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA + NCCL when every rank has its own GPU, else CPU + gloo."""
     exact_cpu_memory: bool = False
@@ -109,8 +101,7 @@ def validate(cfg: Config) -> None:
             if not getattr(cfg, flag):
                 raise ConfigError(
                     f"--no-{flag.replace('_', '-')} only changes what happens between micro-steps, so it "
-                    f"needs --num-gradient-accumulation-steps >= 2 (got {cfg.num_gradient_accumulation_steps})"
-                )
+                    f"needs --num-gradient-accumulation-steps >= 2 (got {cfg.num_gradient_accumulation_steps})")
     if not 0 <= cfg.profile_steps <= cfg.num_steps:
         raise ConfigError(f"--profile-steps must be between 0 and --num-steps ({cfg.num_steps}), got {cfg.profile_steps}")
     if cfg.fsdp == "none":
@@ -120,65 +111,16 @@ def validate(cfg: Config) -> None:
             "--no-reshard-after-backward-before-last-backward": not cfg.reshard_after_backward_before_last_backward,
             "--no-reduce-grads-before-last-backward": not cfg.reduce_grads_before_last_backward,
         }
-        bad = [flag for flag, used in fsdp_only.items() if used]
-        if bad:
+        if bad := [flag for flag, used in fsdp_only.items() if used]:
             raise ConfigError(f"{', '.join(bad)} configure FSDP; they do nothing with --fsdp none (use --fsdp fsdp2 or effdl)")
     if cfg.impl != "student" and cfg.fsdp != "effdl":
         raise ConfigError(f"--impl {cfg.impl} selects the hand-written FSDP, so it needs --fsdp effdl")
-    impl_path(cfg.impl)  # fails early on a bad --impl
+    impl.impl_path(cfg.impl)  # fails early on a bad --impl
     if cfg.model == "debug" and cfg.seq_len > 2048:
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the data supports well; use <= 2048")
 
 
-# --------------------------------------------------------------------------- distributed set-up
-
-
-def pick_device(flag: str) -> torch.device:
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if flag == "cuda" and gpus < local_world:
-        raise ConfigError(
-            f"--device cuda needs one GPU per rank: found {gpus} GPU(s) for {local_world} rank(s) on this "
-            "machine; use --device cpu (gloo) or fewer processes"
-        )
-    if flag == "cuda" or (flag == "auto" and gpus >= local_world):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def init_distributed(device_flag: str = "auto") -> torch.device:
-    """Join (or, without torchrun, create a 1-rank) process group on the chosen device."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
-            from ranks import free_port
-
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        device = pick_device(device_flag)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
-        else:
-            dist.init_process_group("gloo", timeout=timedelta(minutes=5))
-    return current_device(device_flag)
-
-
-def current_device(device_flag: str) -> torch.device:
-    backend = dist.get_backend()
-    if device_flag == "auto":  # a group already running (e.g. a CPU RankPool) decides
-        device_flag = "cuda" if backend == "nccl" else "cpu"
-    device = pick_device(device_flag)
-    if (backend == "nccl") != (device.type == "cuda"):
-        raise ConfigError(f"--device {device_flag} does not match the {backend} process group already running")
-    return device
-
-
-def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# --------------------------------------------------------------------------- model and wrapping
+# --------------------------------------------------------------------------- model, wrapping, data
 
 
 def model_args(name: str, seq_len: int, vocab_size: int):
@@ -204,48 +146,9 @@ def build_model(cfg: Config, device: torch.device, vocab_size: int) -> nn.Module
     return model
 
 
-def default_impl() -> str:
-    """The reference where this copy has it, else the student file."""
-    return "solution" if (ROOT / "solution" / "fsdp.py").exists() else "student"
-
-
-def resident_bytes() -> int:
-    """Bytes resident now (Linux; 0 where /proc is missing)."""
-    return _status_bytes("VmRSS") or 0
-
-
-def impl_path(impl: str) -> Path:
-    """The file --impl names: student, solution, or a path."""
-    path = {"student": ROOT / "fsdp.py", "solution": ROOT / "solution" / "fsdp.py"}.get(impl, Path(impl))
-    if impl not in ("student", "solution") and path.suffix != ".py":
-        raise ConfigError(f"--impl must be student, solution or the path of a .py file, got {impl!r}")
-    if not path.exists():
-        hint = {"student": "regenerate it with `uv run python make_skeleton.py`",
-                "solution": "this copy has no reference solution; use --impl student"}.get(impl, "check the path")
-        raise ConfigError(f"--impl {impl}: the hand-written FSDP is not there ({path} is missing); {hint}")
-    return path.resolve()
-
-
 def fsdp_module(cfg: Config) -> ModuleType:
     """The namespace whose `fully_shard` and `MixedPrecisionPolicy` wrap the model."""
-    if cfg.fsdp == "fsdp2":
-        return importlib.import_module("torch.distributed.fsdp")
-    path = impl_path(cfg.impl)
-    name = f"effdl_fsdp_{abs(hash(str(path))):x}"  # one module per file, loaded once
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    module = sys.modules[name]
-    missing = [n for n in ("fully_shard", "MixedPrecisionPolicy") if not hasattr(module, n)]
-    if missing:
-        raise ConfigError(f"--impl {cfg.impl}: {path} defines no {' or '.join(missing)}")
-    return module
+    return impl.fsdp2() if cfg.fsdp == "fsdp2" else impl.load(cfg.impl)
 
 
 def apply_fsdp(model: nn.Module, fsdp: ModuleType, mesh: DeviceMesh, cfg: Config) -> nn.Module:
@@ -274,6 +177,35 @@ def build_data(cfg: Config, rank: int, world_size: int):
 # --------------------------------------------------------------------------- the loop
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, data, cfg: Config,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over `num_gradient_accumulation_steps` micro-steps: (loss, grad norm)."""
+    micro = cfg.num_gradient_accumulation_steps
+    step_loss = torch.zeros((), device=device)
+    for i in range(micro):
+        last = i == micro - 1
+        if cfg.fsdp != "none":
+            # Both FSDPs expose FSDP2's accumulation controls on the root module.
+            model.set_requires_gradient_sync(last or cfg.reduce_grads_before_last_backward)
+            model.set_reshard_after_backward(last or cfg.reshard_after_backward_before_last_backward)
+        inputs, labels = next(data)
+        inputs, labels = inputs["input"].to(device), labels.to(device)
+        with torch.profiler.record_function("## forward ##"):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / micro
+        with torch.profiler.record_function("## backward ##"):
+            loss.backward()
+        step_loss += loss.detach()
+    with torch.profiler.record_function("## optimizer ##"):
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad()
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+        grad_norm = grad_norm.full_tensor()
+    dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+    return step_loss, grad_norm
+
+
 def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) -> TrainResult:
     """Train in the process group this process belongs to (see `init_distributed`).
 
@@ -283,15 +215,14 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     validate(cfg)
     device = current_device(cfg.device)
     if device.type == "cpu" and cfg.exact_cpu_memory:
-        cpu_memory_setup()
+        memory.exact_cpu_memory()
 
     if rank == 0:
         assets.ensure(ROOT, log=lambda msg: print(msg, flush=True))
     dist.barrier()
     assets.check(ROOT)
-    vocab_size = assets.vocab_size(ROOT)
 
-    model = build_model(cfg, device, vocab_size)
+    model = build_model(cfg, device, assets.vocab_size(ROOT))
     mesh = init_device_mesh(device.type, (world_size,))
     if cfg.fsdp == "none":
         if world_size > 1:
@@ -303,105 +234,33 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1, foreach=True)
     data = build_data(cfg, rank, world_size)
-    micro = cfg.num_gradient_accumulation_steps
-    tokens_per_step = cfg.batch_size * cfg.seq_len * micro * world_size
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.num_gradient_accumulation_steps * world_size
     result = TrainResult()
-    traces_dir = cfg.traces_dir or ROOT / "traces" / cfg.fsdp
-    snapshots_dir = cfg.snapshots_dir or ROOT / "snapshots" / cfg.fsdp
-
+    run = impl.run_name(cfg.fsdp, cfg.impl)
     with profiling.StepProfiler(
         active=cfg.profile_steps, skip=cfg.num_steps - cfg.profile_steps, device=device, rank=rank,
-        traces_dir=traces_dir, snapshots_dir=snapshots_dir,
+        traces_dir=cfg.traces_dir or ROOT / "traces" / run, snapshots_dir=cfg.snapshots_dir or ROOT / "snapshots" / run,
     ) as prof:
         for step in range(1, cfg.num_steps + 1):
-            reset_peak_memory(device)
+            memory.reset_peak(device)
             start = time.perf_counter()
-            step_loss = torch.zeros((), device=device)
-            for i in range(micro):
-                last = i == micro - 1
-                if cfg.fsdp != "none":
-                    # Both FSDPs expose FSDP2's accumulation controls on the root module.
-                    model.set_requires_gradient_sync(last or cfg.reduce_grads_before_last_backward)
-                    model.set_reshard_after_backward(last or cfg.reshard_after_backward_before_last_backward)
-                inputs, labels = next(data)
-                inputs, labels = inputs["input"].to(device), labels.to(device)
-                with torch.profiler.record_function("## forward ##"):
-                    logits = model(inputs)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / micro
-                with torch.profiler.record_function("## backward ##"):
-                    loss.backward()
-                step_loss += loss.detach()
-            with torch.profiler.record_function("## optimizer ##"):
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=True)
-                optimizer.step()
-                optimizer.zero_grad()
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-                grad_norm = grad_norm.full_tensor()
-            dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-            loss_value, norm_value = step_loss.item(), grad_norm.item()
+            loss, grad_norm = train_step(model, optimizer, data, cfg, device)
+            loss_value, norm_value = loss.item(), grad_norm.item()
             elapsed = time.perf_counter() - start
             result.losses.append(loss_value)
             result.grad_norms.append(norm_value)
             result.step_times.append(elapsed)
-            result.peak_memory.append(peak_memory(device))
+            result.peak_memory.append(memory.peak(device))
             if cfg.log and rank == 0:
-                print(
-                    f"step {step:3d} | loss {loss_value:.6f} | grad norm {norm_value:.6f} | {elapsed:6.3f} s"
-                    f" | {tokens_per_step / elapsed:9,.0f} tok/s | {memory_label(device)} {result.peak_memory[-1] / 2**20:8.1f} MiB",
-                    flush=True,
-                )
+                print(f"step {step:3d} | loss {loss_value:.6f} | grad norm {norm_value:.6f} | {elapsed:6.3f} s"
+                      f" | {tokens_per_step / elapsed:9,.0f} tok/s | {memory.label(device)} "
+                      f"{result.peak_memory[-1] / 2**20:8.1f} MiB", flush=True)
             if inspect is not None:
                 inspect(model, step)
             prof.step()
     if cfg.profile_steps:
         result.trace_path, result.snapshot_path = prof.trace_path, prof.snapshot_path
     return result
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif _CLEAR_REFS.exists():
-        _CLEAR_REFS.write_text("5")  # Linux: resets this process's peak RSS (VmHWM)
-
-
-def peak_memory(device: torch.device) -> int:
-    """Bytes: CUDA's peak allocated; on CPU the step's peak resident set size (exact only with
-    --exact-cpu-memory, see cpu_memory_setup)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    if (peak := _status_bytes("VmHWM")) is not None:
-        return peak
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # elsewhere: the peak since start
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
-
-
-_CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
-
-
-def _status_bytes(field: str) -> int | None:
-    """A memory field of /proc/self/status (Linux), in bytes; None where there is none."""
-    if _STATUS.exists():
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-def cpu_memory_setup() -> None:
-    """Make peak RSS a faithful CPU memory measure (--exact-cpu-memory): with a fixed mmap
-    threshold (glibc), every allocation of 64 KiB or more gets its own mapping and goes back to
-    the OS when freed, on whichever thread frees it (gloo frees buffers on its own threads, which
-    the profiler's memory events miss). Without it glibc keeps freed blocks for reuse, so RSS
-    shows the most the process ever held. The setting lasts for the life of the process."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-    except OSError:
-        pass  # not glibc: peak RSS is then coarser
-
-
-def memory_label(device: torch.device) -> str:
-    return "peak alloc" if device.type == "cuda" else "peak rss"
 
 
 def main(cfg: Config) -> None:
@@ -418,7 +277,7 @@ def main(cfg: Config) -> None:
     except NotImplementedError as e:
         if not str(e).startswith("TODO("):  # a real bug deserves its traceback
             raise
-        print(f"error: {e} (in {impl_path(cfg.impl)})", file=sys.stderr, flush=True)
+        print(f"error: {e} (in {impl.impl_path(cfg.impl)})", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
         shutdown_distributed()

@@ -14,8 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.cuda import _memory_viz as memory_viz
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from profiling import (  # noqa: E402
+from harness.profiling import (
     StepProfiler,
     load_snapshot,
     memory_timeline,

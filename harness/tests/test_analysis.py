@@ -1,4 +1,4 @@
-"""analysis.py: on real CPU traces of FSDP2 and the reference FSDP, and on small synthetic traces."""
+"""analysis.py: on real CPU traces of FSDP2, and on small synthetic traces."""
 
 import json
 import pickle
@@ -7,12 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import analysis
-import checks
-import profiling
 import train
+from harness import analysis, checks, profiling
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 # The debug model is wrapped in 7 groups (6 blocks, then the root) and checks.config() runs 2
@@ -27,77 +24,67 @@ EXPECTED_COUNTS = {
 }
 # FSDP2 on CPU waits for every collective as soon as it is issued: it measured exactly 0.
 FSDP2_MAX_HIDDEN = 0.02
-# The reference prefetches all-gathers and leaves reduce-scatters in flight. Over 9 runs on a
-# busy 2-core machine (mean of 2 ranks x 2 steps) it hid 0.30-0.58 of its forward all-gathers
-# (0.19-0.69 per rank and step), 0.33-0.77 in backward and 0.25-0.59 of its reduce-scatters.
-# Forward hides least: the root's gather, and the first block's, have little compute before them.
-REFERENCE_MIN_HIDDEN = 0.1
 
 
 # --------------------------------------------------------------------------- real runs
 
 
+def profiled_run(pool, folder: Path, impl: str | None = None) -> analysis.RunStats:
+    """Three steps (the last two profiled) of FSDP2, or of the hand-written FSDP `impl`, analysed."""
+    cfg = checks.config(impl, num_steps=3, profile_steps=2, traces_dir=folder / "traces",
+                        snapshots_dir=folder / "snapshots")
+    pool.run(train.train, cfg)
+    return analysis.analyze_run(folder / "traces", folder / "snapshots")
+
+
 @pytest.fixture(scope="module")
-def runs(pool2, tmp_path_factory) -> dict[str, analysis.RunStats]:
-    if not (ROOT / "solution" / "fsdp.py").exists():
-        pytest.skip("needs the reference solution/fsdp.py")
-    out = {}
-    for name, impl in (("fsdp2", None), ("reference", "solution")):
-        tmp = tmp_path_factory.mktemp(name)
-        cfg = checks.config(impl, num_steps=3, profile_steps=2,
-                            traces_dir=tmp / "traces", snapshots_dir=tmp / "snapshots")
-        pool2.run(train.train, cfg)
-        out[name] = analysis.analyze_run(tmp / "traces", tmp / "snapshots")
-    print("\n" + analysis.table(out))  # shown with -s: the numbers behind the thresholds
-    return out
+def fsdp2_run(pool2, tmp_path_factory) -> analysis.RunStats:
+    return profiled_run(pool2, tmp_path_factory.mktemp("fsdp2"))
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "reference"])
-def test_collective_counts_per_phase(runs, name):
-    steps = runs[name].steps
+def assert_counts(run: analysis.RunStats) -> None:
+    steps = run.steps
     assert sorted({(s.rank, s.step) for s in steps}) == [(r, n) for r in (0, 1) for n in (1, 2)]
     for s in steps:
         for kind, expected in EXPECTED_COUNTS.items():
-            assert s.kind(kind).count_by_phase == expected, (name, s.rank, s.step, kind)
+            assert s.kind(kind).count_by_phase == expected, (s.rank, s.step, kind)
 
 
-def test_reference_issues_what_fsdp2_issues(runs):
-    def counts(run):
-        return [[s.kind(kind).count_by_phase for kind in analysis.KINDS] for s in run.steps]
-
-    assert counts(runs["reference"]) == counts(runs["fsdp2"])
-
-
-@pytest.mark.parametrize("name", ["fsdp2", "reference"])
-def test_every_collective_found_running(runs, name):
+def assert_every_collective_found_running(run: analysis.RunStats) -> None:
     # Each c10d op was paired with the gloo range that ran it, so times are those of real work.
-    for s in runs[name].steps:
+    for s in run.steps:
         for kind in analysis.KINDS:
             for phase, comm in s.kind(kind).by_phase.items():
-                assert comm.timed == comm.count, (name, s.rank, s.step, kind, phase)
+                assert comm.timed == comm.count, (s.rank, s.step, kind, phase)
                 assert (comm.time_ms > 0) == (comm.count > 0)
                 assert 0 <= comm.hidden_ms <= comm.time_ms + 1e-9
 
 
-def test_reference_hides_all_gathers_fsdp2_does_not(runs):
-    fsdp2 = runs["fsdp2"].comm.all_gather.by_phase["forward"].hidden_fraction
-    reference = runs["reference"].comm.all_gather.by_phase["forward"].hidden_fraction
-    assert fsdp2 < FSDP2_MAX_HIDDEN
-    assert reference > REFERENCE_MIN_HIDDEN
-    for kind in ("all_gather", "reduce_scatter"):
-        assert runs["fsdp2"].comm.kind(kind).hidden_fraction < FSDP2_MAX_HIDDEN, kind
-        assert runs["reference"].comm.kind(kind).hidden_fraction > REFERENCE_MIN_HIDDEN, kind
-
-
-@pytest.mark.parametrize("name", ["fsdp2", "reference"])
-def test_memory(runs, name):
-    for m in runs[name].memories:
+def assert_memory(run: analysis.RunStats) -> None:
+    for m in run.memories:
         assert 0 < m.peak_forward <= m.peak and 0 < m.peak_backward <= m.peak
         assert len(m.growth) == 2
         # The first profiled step also frees what its predecessor left (the logits), but those
         # frees are not recorded: it shows that much growth. The second one is complete.
         assert 0 <= m.growth[0] <= 2 * MiB
         assert abs(m.growth[1]) < 64 * 1024
+
+
+def test_collective_counts_per_phase(fsdp2_run):
+    assert_counts(fsdp2_run)
+
+
+def test_every_collective_found_running(fsdp2_run):
+    assert_every_collective_found_running(fsdp2_run)
+
+
+def test_fsdp2_hides_nothing_on_cpu(fsdp2_run):
+    for kind in ("all_gather", "reduce_scatter"):
+        assert fsdp2_run.comm.kind(kind).hidden_fraction < FSDP2_MAX_HIDDEN, kind
+
+
+def test_memory(fsdp2_run):
+    assert_memory(fsdp2_run)
 
 
 # --------------------------------------------------------------------------- synthetic traces

@@ -1,7 +1,7 @@
 """Generate the student file fsdp.py from the reference solution/fsdp.py.
 
-    uv run python make_skeleton.py            # rewrite fsdp.py
-    uv run python make_skeleton.py --check    # exit 1 if fsdp.py is out of date
+    uv run python -m solution.make_skeleton            # rewrite fsdp.py
+    uv run python -m solution.make_skeleton --check    # exit 1 if fsdp.py is out of date
 
 In the solution, each piece of the exercise sits between two comment lines:
 
@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 SOLUTION, SKELETON = ROOT / "solution" / "fsdp.py", ROOT / "fsdp.py"
 REQUIRED = {"task1"}
 TAGS = ("task1", "task2", "task3", "bonus1", "bonus2", "bonus3")
@@ -138,10 +138,10 @@ def main() -> int:
     check = "--check" in sys.argv[1:]
     unknown = [a for a in sys.argv[1:] if a != "--check"]
     if unknown:
-        print(f"make_skeleton.py: unknown argument(s) {unknown}; usage: make_skeleton.py [--check]", file=sys.stderr)
+        print(f"solution.make_skeleton: unknown argument(s) {unknown}; usage: python -m solution.make_skeleton [--check]", file=sys.stderr)
         return 2
     if not SOLUTION.exists():
-        print(f"make_skeleton.py: {SOLUTION} is missing: this is a student copy, the skeleton is already final",
+        print(f"solution.make_skeleton: {SOLUTION} is missing",
               file=sys.stderr)
         return 2
     text = skeleton(SOLUTION.read_text())
@@ -153,7 +153,7 @@ def main() -> int:
             return 0
         diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "fsdp.py (committed)",
                                     "fsdp.py (regenerated)", lineterm="", n=1)
-        print("fsdp.py is out of date: run `uv run python make_skeleton.py`\n" + "\n".join(list(diff)[:40]))
+        print("fsdp.py is out of date: run `uv run python -m solution.make_skeleton`\n" + "\n".join(list(diff)[:40]))
         return 1
     SKELETON.write_text(text)
     todos = {tag: text.count(f"TODO({tag})") - text.count(f'"TODO({tag})') for tag in TAGS}

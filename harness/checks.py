@@ -1,9 +1,9 @@
 """The checks behind test.py, as plain functions over a RankPool.
 
-Each `check_*` runs FSDP2 and a hand-written FSDP (`impl`: student, solution, or a .py
+Each `check_*` runs FSDP2 and a hand-written FSDP (`impl`: student or a .py
 path) in the same spawned process group and raises AssertionError saying exactly what
-differs. tests/test_mutants.py runs the same functions against broken variants of the
-reference to prove that every check can fail.
+differs. Every check has been run against deliberately broken variants of a correct FSDP
+and fails there.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-import assets
 import train
-from ranks import RankError, RankPool
+from harness import assets
+from harness.distributed import current_device
+from harness.ranks import RankError, RankPool
 
 PRECISIONS = [(p, r) for p in ("float32", "bfloat16") for r in ("float32", "bfloat16")]
 # train.py's default (no mixed precision) and a reduce dtype left to FSDP2's clamping.
@@ -179,7 +180,7 @@ def odd_shapes_job(impl: str | None, steps: int = 3) -> dict[str, list[torch.Ten
     """Train OddMLP a few steps; return every parameter (full) and its gradient at each step."""
     cfg = config(impl) if impl else config()
     fsdp = train.fsdp_module(cfg)
-    device = train.current_device("cpu")
+    device = current_device("cpu")
     torch.manual_seed(0)
     model = OddMLP().to(device)
     mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
@@ -338,7 +339,7 @@ def profile_both(pool: RankPool, impl: str, folder, **overrides) -> Profiles:
 def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, check_shards: bool = False):
     """Profiled runs of FSDP2 and the hand-written FSDP (same config otherwise): their analysed
     traces, and per implementation the per-rank (result, digests) of train_job."""
-    import analysis
+    from harness import analysis
 
     results, stats = {}, {}
     for name, cfg in (("fsdp2", as_fsdp2(cfg_effdl)), ("effdl", cfg_effdl)):

@@ -21,11 +21,13 @@ import pytest
 import torch
 import tyro
 
-import checks
 import train
-from ranks import RankError, RankPool, free_port
+from harness import checks, distributed, impl
+from harness.distributed import free_port
+from harness.errors import ConfigError
+from harness.ranks import RankError, RankPool
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = "${workspaceFolder}/.venv/bin/python"
 
 
@@ -106,11 +108,11 @@ def device_job(gpus: int) -> tuple[str, str | None]:
     machine pretending to have `gpus` GPUs."""
     with mock.patch("torch.cuda.is_available", return_value=True), \
             mock.patch("torch.cuda.device_count", return_value=gpus):
-        auto = str(train.current_device("auto"))
+        auto = str(distributed.current_device("auto"))
         try:
-            train.current_device("cuda")
+            distributed.current_device("cuda")
             cuda_error = None
-        except train.ConfigError as e:
+        except ConfigError as e:
             cuda_error = str(e)
     return auto, cuda_error
 
@@ -128,7 +130,7 @@ def test_auto_device_follows_the_running_process_group(pool2):
 
 
 def config_error(fn, *args) -> str:
-    with pytest.raises(train.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         fn(*args)
     return str(e.value)
 
@@ -170,12 +172,12 @@ VALIDATE_CASES = {
         dict(fsdp="none", num_gradient_accumulation_steps=2, reduce_grads_before_last_backward=False),
         ["--no-reduce-grads-before-last-backward", "--fsdp none", "use --fsdp fsdp2 or effdl"],
     ),
-    "--impl with FSDP2": (dict(fsdp="fsdp2", impl="solution"), ["--impl solution", "needs --fsdp effdl"]),
+    "--impl with FSDP2": (dict(fsdp="fsdp2", impl="other.py"), ["--impl other.py", "needs --fsdp effdl"]),
     "--impl path that does not exist": (
         dict(fsdp="effdl", impl="no/such/fsdp.py"), ["--impl no/such/fsdp.py", "is missing", "check the path"],
     ),
     "--impl not a .py file": (
-        dict(fsdp="effdl", impl="fsdp.txt"), ["--impl", "'fsdp.txt'", "student, solution or the path of a .py file"],
+        dict(fsdp="effdl", impl="fsdp.txt"), ["--impl", "'fsdp.txt'", "student or the path of a .py file"],
     ),
 }
 
@@ -187,13 +189,21 @@ def test_validate_rejects_with_flag_and_fix(overrides, fragments):
 
 
 def test_impl_path(tmp_path, monkeypatch):
-    assert train.impl_path("student") == ROOT / "fsdp.py"
-    assert_mentions(config_error(train.impl_path, str(tmp_path / "gone.py")), "gone.py", "is missing", "check the path")
-    assert_mentions(config_error(train.impl_path, "fsdp"), "--impl", "'fsdp'", "path of a .py file")
-    # A copy without the files (a student checkout has no solution/) says how to get on.
-    monkeypatch.setattr(train, "ROOT", tmp_path)
-    assert_mentions(config_error(train.impl_path, "solution"), "--impl solution", "use --impl student")
-    assert_mentions(config_error(train.impl_path, "student"), "--impl student", "make_skeleton.py")
+    assert impl.impl_path("student") == ROOT / "fsdp.py"
+    assert impl.impl_path("fsdp.py") == ROOT / "fsdp.py"  # relative to the repository from anywhere
+    assert_mentions(config_error(impl.impl_path, str(tmp_path / "gone.py")), "gone.py", "is missing", "check the path")
+    assert_mentions(config_error(impl.impl_path, "fsdp"), "--impl", "'fsdp'", "path of a .py file")
+    monkeypatch.setattr(impl, "STUDENT", tmp_path / "fsdp.py")
+    assert_mentions(config_error(impl.impl_path, "student"), "--impl student", "is missing", "git checkout fsdp.py")
+
+
+def test_runs_of_different_files_never_share_an_output_folder(tmp_path):
+    other = tmp_path / "fsdp.py"
+    other.write_text("")
+    names = {impl.run_name("fsdp2", "student"), impl.run_name("none", "student"), impl.run_name("effdl", "student"),
+             impl.run_name("effdl", "harness/impl.py"), impl.run_name("effdl", str(other))}
+    assert len(names) == 5, names
+    assert impl.run_name("effdl", "student") == "effdl" == impl.run_name("effdl", str(ROOT / "fsdp.py"))
 
 
 @pytest.mark.parametrize("gpus", [0, 1])
@@ -201,9 +211,9 @@ def test_cuda_needs_a_gpu_per_rank(gpus, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    message = config_error(train.pick_device, "cuda")
+    message = config_error(distributed.pick_device, "cuda")
     assert_mentions(message, "--device cuda", f"found {gpus} GPU(s) for 2 rank(s)", "use --device cpu")
-    assert train.pick_device("auto") == torch.device("cpu"), "--device auto must fall back to CPU"
+    assert distributed.pick_device("auto") == torch.device("cpu"), "--device auto must fall back to CPU"
 
 
 def test_auto_picks_cuda_with_a_gpu_per_rank(monkeypatch):
@@ -211,7 +221,7 @@ def test_auto_picks_cuda_with_a_gpu_per_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert train.pick_device("auto") == torch.device("cuda", 1)
+    assert distributed.pick_device("auto") == torch.device("cuda", 1)
 
 
 # --------------------------------------------------------------------------- the command line
@@ -338,11 +348,9 @@ def config_problem(train_args: list[str]) -> str | None:
         cfg = tyro.cli(train.Config, args=train_args)
     except SystemExit:
         return "tyro rejects these arguments (run train.py with them to see why)"
-    if cfg.fsdp == "effdl" and cfg.impl == "solution" and not (ROOT / "solution" / "fsdp.py").exists():
-        return None  # a student copy: validate would (rightly) say there is no solution/
     try:
         train.validate(cfg)
-    except train.ConfigError as e:
+    except ConfigError as e:
         return str(e)
     return None
 

@@ -1,6 +1,6 @@
 """Overlap and memory, measured from the traces and snapshots that `train.py` writes.
 
-    uv run python analysis.py traces/fsdp2 traces/effdl    # memory from snapshots/fsdp2, snapshots/effdl
+    uv run python -m harness.analysis traces/fsdp2 traces/effdl    # memory from snapshots/fsdp2, snapshots/effdl
 
 Instead of reading Perfetto and memory_viz by eye, this computes for every profiled step
 (`ProfilerStep#N`) of every rank, then averages over steps and ranks:
@@ -72,7 +72,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import profiling
+from harness import profiling
 
 PHASES = ("forward", "backward", "optimizer")
 OTHER = "other"

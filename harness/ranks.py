@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from harness.distributed import free_port, init_distributed, shutdown_distributed
 
 
 # Imported once by the forkserver; every rank forks with them loaded. The forkserver is a
@@ -44,11 +45,6 @@ class RankTimeout(RankError):
     """Some ranks did not finish a job in time."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, world_size: int, port: int, device: str, threads: int, jobs, results) -> None:
     os.environ.update(
@@ -59,9 +55,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, threads: int, jo
         import torch
 
         torch.set_num_threads(threads)
-        import train
-
-        train.init_distributed(device)
+        init_distributed(device)
         results.put((rank, "ready", None))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -72,7 +66,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, threads: int, jo
             results.put((rank, "ok", fn(*args, **kwargs)))
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
-    train.shutdown_distributed()
+    shutdown_distributed()
 
 
 class RankPool:

@@ -1,8 +1,8 @@
 """Speed, memory and overlap of the hand-written FSDP against FSDP2, in one interleaved run.
 
-    uv run python benchmark.py                       # debug model, seq 256 and 1024, 2 CPU ranks
-    uv run python benchmark.py --device cuda         # one rank per GPU, NCCL
-    uv run python benchmark.py --impl student --seq-lens 256
+    uv run python -m harness.benchmark                       # debug model, seq 256 and 1024, 2 CPU ranks
+    uv run python -m harness.benchmark --device cuda         # one rank per GPU, NCCL
+    uv run python -m harness.benchmark --impl student --seq-lens 256
 
 For each sequence length, FSDP2 and the hand-written FSDP alternate (A B, B A, A B, ...), each
 run on fresh ranks forked from the same preloaded image, so drifting machine load and what a
@@ -12,7 +12,7 @@ process accumulated hit both alike. Reported as ratios hand-written / FSDP2 of t
     set when the run began (the Python/torch baseline, the same for both, would hide any ratio),
     from separate runs with --exact-cpu-memory (slower, so not used for the step times);
   * hidden: the fraction of all-gather / reduce-scatter time that ran while compute ran, from
-    one profiled run each (analysis.py).
+    one profiled run each (harness/analysis.py).
 Targets: step time <= 0.95 on CPU (FSDP2 overlaps nothing there), <= 1.02 on CUDA; memory <= 1.00.
 """
 
@@ -26,17 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import analysis
 import train
-from ranks import RankPool
+from harness import analysis, impl, memory
+from harness.ranks import RankPool
 
 TARGETS = {"cpu": 0.95, "cuda": 1.02}
 
 
 @dataclass(frozen=True)
 class Args:
-    impl: str | None = None
-    """hand-written FSDP: student, solution or a .py path (default: solution when present)."""
+    impl: str = "student"
+    """hand-written FSDP: student (fsdp.py) or the path of a .py file."""
     seq_lens: tuple[int, ...] = (256, 1024)
     model: Literal["debug", "1b"] = "debug"
     batch_size: int = 2
@@ -52,7 +52,7 @@ class Args:
 
 def measure_job(cfg: train.Config) -> tuple[float, int]:
     """(median step time after warm-up, peak memory of the run) on this rank."""
-    base = 0 if cfg.device == "cuda" else train.resident_bytes()
+    base = 0 if cfg.device == "cuda" else memory.resident_bytes()
     result = train.train(cfg)
     return statistics.median(result.step_times[1:]), max(result.peak_memory[1:]) - base
 
@@ -60,21 +60,20 @@ def measure_job(cfg: train.Config) -> tuple[float, int]:
 def main(args: Args) -> int:
     import torch
 
-    impl = args.impl or train.default_impl()
-    train.impl_path(impl)
+    path = impl.impl_path(args.impl)
     world = args.world_size or (2 if args.device == "cpu" else torch.cuda.device_count())
     if args.device == "cuda" and torch.cuda.device_count() < world:
         print(f"error: --device cuda needs {world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     print(f"benchmark: {args.model} model, {world} x {args.device}, batch {args.batch_size}, {args.num_steps} "
-          f"steps (first skipped), {args.repeats} interleaved runs each; hand-written: {impl} "
-          f"({train.impl_path(impl)})", flush=True)
+          f"steps (first skipped), {args.repeats} interleaved runs each; hand-written: {args.impl} "
+          f"({path})", flush=True)
     rows = []
     for seq in args.seq_lens:
         base = dict(model=args.model, seq_len=seq, batch_size=args.batch_size, num_steps=args.num_steps,
                     profile_steps=0, log=False, device=args.device, param_dtype=args.param_dtype,
                     reduce_dtype=args.reduce_dtype)
-        configs = {"fsdp2": train.Config(fsdp="fsdp2", **base), "effdl": train.Config(fsdp="effdl", impl=impl, **base)}
+        configs = {"fsdp2": train.Config(fsdp="fsdp2", **base), "effdl": train.Config(fsdp="effdl", impl=args.impl, **base)}
         times = {k: [] for k in configs}
         peaks = {k: [] for k in configs}
         # On CPU, speed and memory come from separate runs: exact CPU memory (every free handed

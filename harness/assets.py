@@ -1,6 +1,6 @@
 """Training data and tokenizer for the exercises, built offline.
 
-Two assets live next to this file, in the layout torchtitan's own tests use:
+Two assets live in the repository root, in the layout torchtitan's own tests use:
 
     c4_test/data.json                   JSON lines, one document per line in field "text"
     tokenizer/tokenizer.json            byte-level BPE, 2048 tokens (the debug model's vocab)
@@ -12,7 +12,7 @@ The build is deterministic, so every rank and every machine with the same Python
 and tokenizers versions gets byte-identical files. Where a machine is online,
 `--source torchtitan` fetches torchtitan's own test assets instead.
 
-    uv run python assets.py [--source pydoc|torchtitan] [--root DIR] [--force]
+    uv run python -m harness.assets [--source pydoc|torchtitan] [--root DIR] [--force]
 
 This module is imported by every rank, so it keeps its imports light: no torch, no
 torchtitan, and `tokenizers` only inside the functions that need it.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 
 DATA = Path("c4_test/data.json")
 TOKENIZER = Path("tokenizer/tokenizer.json")
@@ -150,7 +150,7 @@ def _write_atomic(path: Path, blob: bytes) -> None:
 
 
 def _fix(root: Path, missing: bool = False) -> str:
-    cmd = "uv run python assets.py" + ("" if root == ROOT else f" --root {root}")
+    cmd = "uv run python -m harness.assets" + ("" if root == ROOT else f" --root {root}")
     if missing:
         return f"run `{cmd}`"
     return f"delete {root / 'c4_test'}/ and {root / 'tokenizer'}/ and run `{cmd}` (or `{cmd} --force`)"

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # `pytest tests/...` puts only tests/ on the path
+from harness import assets
+from harness.assets import DATA, FILES, TOKENIZER, TOKENIZER_CONFIG, AssetError
 
-import assets  # noqa: E402
-from assets import DATA, FILES, TOKENIZER, TOKENIZER_CONFIG, AssetError  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +33,7 @@ def copy(built, tmp_path) -> Path:
 def test_build_is_byte_identical(built, tmp_path):
     # A fresh process, so nothing (hash seeds, thread pools) is shared with the first build.
     subprocess.run(
-        [sys.executable, "-c", f"import assets; assets.build({str(tmp_path)!r})"], cwd=REPO, check=True, timeout=120
+        [sys.executable, "-c", f"from harness import assets; assets.build({str(tmp_path)!r})"], cwd=REPO, check=True, timeout=120
     )
     for f in FILES:
         assert (tmp_path / f).read_bytes() == (built / f).read_bytes(), f
@@ -104,7 +103,7 @@ def test_bad_file_is_named(copy, path, content, complaint):
     with pytest.raises(AssetError) as e:
         assets.check(copy)
     msg = str(e.value)
-    assert str(copy / path) in msg and complaint in msg and "assets.py" in msg
+    assert str(copy / path) in msg and complaint in msg and "harness.assets" in msg
 
 
 @pytest.mark.parametrize("path", FILES)
@@ -164,7 +163,7 @@ def test_ensure_refuses_bad_assets(copy):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "assets.py", *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "harness.assets", *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=120
     )
 
 
@@ -186,7 +185,7 @@ def test_cli_torchtitan_source_offline(tmp_path):
     env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
     env["https_proxy"] = env["HTTPS_PROXY"] = "http://127.0.0.1:9"
     r = subprocess.run(
-        [sys.executable, "assets.py", "--source", "torchtitan", "--root", str(tmp_path)],
+        [sys.executable, "-m", "harness.assets", "--source", "torchtitan", "--root", str(tmp_path)],
         check=False,
         cwd=REPO,
         env=env,

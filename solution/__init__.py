@@ -1,0 +1,1 @@
+"""For instructors: the reference FSDP, the skeleton generator, the release command and their tests."""
