@@ -1,0 +1,91 @@
+"""The repository's shape: the student's top level, train.py's size, and no import cycles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOP_LEVEL_PYTHON = {"fsdp.py", "train.py", "test.py", "conftest.py"}
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted name -> file, for every Python file of the project (not the virtual environment)."""
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0].startswith(".") or rel.parts[0] in ("build", "dist"):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """Project modules that `name` imports anywhere in its file (inside functions too: an import
+    deferred to a function is still a dependency)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` depends on the deepest project module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    modules = project_modules()
+    graph = {name: imports(path, name, modules) for name, path in modules.items()}
+    assert graph["train"] and "harness.ranks" in graph["harness.checks"], "the import graph was not read"
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"train": {"harness.ranks"}, "harness.ranks": {"train"}}) == ["harness.ranks", "train", "harness.ranks"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_top_level_is_the_students():
+    extra = {p.name for p in ROOT.glob("*.py")} - TOP_LEVEL_PYTHON
+    assert not extra, f"the top level is the student's world; move {sorted(extra)} into harness/"
+
+
+def test_train_py_reads_in_one_sitting():
+    lines = len((ROOT / "train.py").read_text().splitlines())
+    assert lines <= 300, f"train.py has {lines} lines; move set-up code into harness/"

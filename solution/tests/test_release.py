@@ -1,0 +1,106 @@
+"""The release command writes a student repository that installs, tests and grades on its own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from solution import release
+from solution.release import ReleaseError
+
+ROOT = release.ROOT
+STUDENT_TOP_LEVEL = {".ci", ".gitignore", ".python-version", ".vscode", "README.md", "conftest.py", "fsdp.py",
+                     "harness", "pyproject.toml", "snapshots", "test.py", "traces", "train.py", "uv.lock"}
+
+
+def uv() -> list[str]:
+    """uv as `uv run` started us (it sets UV), else from PATH, else as a module."""
+    found = os.environ.get("UV") or shutil.which("uv")
+    return [found] if found else [sys.executable, "-m", "uv"]
+
+
+def run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTEST_ADDOPTS", "PYTHONPATH")}
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"`{' '.join(cmd)}` in {cwd} did not finish within {timeout:.0f} s:\n{(e.stdout or '')[-3000:]}")
+
+
+def show(proc: subprocess.CompletedProcess) -> str:
+    return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout[-5000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def student_repo(tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("release") / "student"
+    release.release(dest)
+    return dest
+
+
+def test_student_repository_has_only_the_students_files(student_repo):
+    assert {p.name for p in student_repo.iterdir()} - {".git"} == STUDENT_TOP_LEVEL
+    assert (student_repo / "uv.lock").read_bytes() == (ROOT / "uv.lock").read_bytes()
+    assert (student_repo / "fsdp.py").read_text() == (ROOT / "fsdp.py").read_text()
+    readme = (student_repo / "README.md").read_text()
+    assert "For instructors" in (ROOT / "README.md").read_text() and "For instructors" not in readme
+    for path in student_repo.rglob("*"):
+        if path.is_file() and ".git" not in path.parts and path.name != "uv.lock":
+            text = path.read_text()
+            assert not release.MENTIONS.search(text), f"{path.relative_to(student_repo)} names the instructors' files"
+    log = subprocess.run(["git", "log", "--oneline"], cwd=student_repo, capture_output=True, text=True, check=True)
+    assert len(log.stdout.splitlines()) == 1, log.stdout
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=student_repo, capture_output=True, text=True)
+    assert status.stdout == "", f"files outside the commit:\n{status.stdout}"
+
+
+def test_student_repository_installs_tests_and_grades(student_repo):
+    """uv sync --frozen works there; its harness tests pass; the graded tests stop at the first TODO;
+    with the reference as fsdp.py every graded test passes."""
+    sync = run([*uv(), "sync", "--frozen", "--quiet"], student_repo, timeout=900)
+    assert sync.returncode == 0, show(sync)
+    pytest_cmd = [str(student_repo / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+
+    harness = run([*pytest_cmd, "harness"], student_repo, timeout=900)
+    assert harness.returncode == 0, show(harness)
+
+    skeleton = run([*pytest_cmd, "-x", "test.py"], student_repo, timeout=600)
+    assert skeleton.returncode == 1, show(skeleton)
+    assert "TODO(task1)" in skeleton.stdout, f"the first failure should be task 1's TODO\n{show(skeleton)}"
+
+    shutil.copy(ROOT / "solution" / "fsdp.py", student_repo / "fsdp.py")
+    graded = run([*pytest_cmd, "test.py"], student_repo, timeout=900)
+    assert graded.returncode == 0, show(graded)
+
+
+def test_release_refuses_a_folder_that_is_not_empty(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(ReleaseError, match="is not empty"):
+        release.release(tmp_path)
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_release_refuses_a_stale_skeleton(tmp_path, monkeypatch):
+    monkeypatch.setattr(release.make_skeleton, "skeleton", lambda source: "something else\n")
+    with pytest.raises(ReleaseError, match="make_skeleton"):
+        release.release(tmp_path / "out")
+
+
+def test_release_names_leaks_and_missing_markers():
+    with pytest.raises(ReleaseError, match="instructors"):
+        release.transform("README.md", "# no marked section\n")
+    with pytest.raises(ReleaseError, match="PYPROJECT_EDITS"):
+        release.transform("pyproject.toml", "[project]\n")
+    cut = release.transform("README.md", "a\n<!-- instructors -->\n## For instructors\nsecret\n<!-- /instructors -->\nb\n")
+    assert "secret" not in cut and "a" in cut and "b" in cut
+
+
+def test_release_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "solution.release", str(ROOT)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "is not empty" in proc.stderr and "Traceback" not in proc.stderr, show(proc)
