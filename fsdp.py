@@ -9,10 +9,17 @@ the optimizer and its state are sharded too. One training step, group by group:
   forward   pre-forward:  all-gather the group's shards -> full parameters
                           (and start gathering the next group: it overlaps this compute)
             post-forward: free the full parameters again (reshard)
-  backward  pre-backward: all-gather again (prefetching the group before it in forward)
+  backward  pre-backward: all-gather again (prefetching the group whose backward comes next)
             post-backward: reduce-scatter the full gradients -> sharded gradients (averaged),
-                          left in flight while the group before runs its backward
+                          left in flight while the next group runs its backward
             end of backward: finish what is still in flight
+
+The file reads in that order: the parameter level (FSDPParam), the group level (FSDPGroup:
+one all-gather and one reduce-scatter for all its parameters), the hooks that drive them
+(FSDPState, with RootContext for what the groups of one model share), then fully_shard.
+Where things stand is explicit: a group is SHARDED, GATHERING or GATHERED (ShardedState),
+its hooks are IDLE, in FORWARD, PRE_BACKWARD or POST_BACKWARD (TrainingState), and every
+phase is a profiler range named like FSDP2's, e.g. `FSDP::all_gather (layers.3)`.
 
 Numerics follow FSDP2 exactly: the same padding, the same casts, one flat all-gather and
 one flat reduce-scatter per group with `ReduceOp.AVG`, so losses and gradient norms are
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum, auto
 from typing import Any, Callable
 
 import torch
@@ -37,6 +45,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.profiler import record_function
 
 __all__ = ["MixedPrecisionPolicy", "FSDPModule", "fully_shard"]
 
@@ -51,6 +60,23 @@ class MixedPrecisionPolicy:
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+
+
+class ShardedState(Enum):
+    """Where a group's parameters are."""
+
+    SHARDED = auto()    # only this rank's shards exist; the modules hold the sharded parameters
+    GATHERING = auto()  # an all-gather is in flight (a PendingGather); the modules still hold shards
+    GATHERED = auto()   # the full parameters are filled in and the modules hold them
+
+
+class TrainingState(Enum):
+    """Which hook of a fully_shard'ed module ran last in this step."""
+
+    IDLE = auto()           # between steps, or after post-forward
+    FORWARD = auto()        # between pre-forward and post-forward
+    PRE_BACKWARD = auto()   # the gradient of its output arrived: its backward is running
+    POST_BACKWARD = auto()  # its backward is done and its gradients are reduced or reducing
 
 
 # --------------------------------------------------------------------------------------
@@ -94,11 +120,10 @@ class FSDPParam:
         self.rows = [max(0, min(self.padded_rows, param.shape[0] - r * self.padded_rows)) for r in range(world)]
         self.local_shape = (self.rows[rank], *self.row_shape)
 
-        # TODO(task1): shard: copy this rank's rows into a zero-padded buffer of chunk 0's size
-        # (`self.padded_shard`, what the all-gather sends); the local rows at its front become
-        # `self.sharded`, an nn.Parameter over to_dtensor(those rows), with the parameter's
-        # requires_grad (the rows must stay a view: the optimizer updates what the all-gather sends)
-        raise NotImplementedError("TODO(task1): shard: copy this rank's rows into a zero-padded buffer of chunk 0's size (`self.padded_shard`, what the all-gather sends); the local rows at its front become `self.sharded`, an nn.Parameter over to_dtensor(those rows), with the parameter's requires_grad (the rows must stay a view: the optimizer updates what the all-gather sends)")
+        # TODO(task1): shard this parameter
+        # Keep this rank's rows in `self.padded_shard` (chunk 0's size: what the all-gather sends) and
+        # make `self.sharded` the Shard(0) DTensor parameter over them, sharing their storage (H1, H2).
+        raise NotImplementedError("TODO(task1): shard this parameter")
         self.gathered: torch.Tensor | None = None    # world * padded rows, compute dtype
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
@@ -131,15 +156,16 @@ class FSDPParam:
 
         `gathered_columns` is [world, padded_numel]: row r is rank r's padded shard.
         """
-        # TODO(task1): (re)allocate the storage of `self.gathered` (created with the unsharded
-        # parameter on first use) and copy the columns in without bumping autograd's version
-        # counter (write through `.data`)
-        raise NotImplementedError("TODO(task1): (re)allocate the storage of `self.gathered` (created with the unsharded parameter on first use) and copy the columns in without bumping autograd's version counter (write through `.data`)")
+        # TODO(task1): refill the full parameter
+        # Create `self.unsharded` over `self.gathered` once; afterwards give the freed storage back
+        # its memory. Tensors autograd saved in forward must stay valid after the refill (H3).
+        raise NotImplementedError("TODO(task1): refill the full parameter")
 
     def free_unsharded(self) -> None:
         """Free the full parameter's memory but keep the tensor (autograd may hold it)."""
-        # TODO(task1): resize the storage of `self.gathered` to zero
-        raise NotImplementedError("TODO(task1): resize the storage of `self.gathered` to zero")
+        # TODO(task1): free the full parameter
+        # Its memory goes back now, but the tensor object stays: autograd may still hold it (H4).
+        raise NotImplementedError("TODO(task1): free the full parameter")
 
     def take_grad(self) -> torch.Tensor | None:
         """Hand over the full gradient to reduce (None if there is none), leaving none behind."""
@@ -157,27 +183,41 @@ class FSDPParam:
 
         `dest` is [world, padded_numel] (reduce dtype): row r gets rank r's rows, zero-padded.
         """
-        # TODO(task1): copy each rank's torch.chunk rows of `grad` into its row of `dest`
-        # (casting to dest's dtype) and zero the padding
-        raise NotImplementedError("TODO(task1): copy each rank's torch.chunk rows of `grad` into its row of `dest` (casting to dest's dtype) and zero the padding")
+        # TODO(task1): lay out the gradient for the reduce-scatter
+        # Rank r must receive the sum of everyone's rows r owns, so row r of `dest` gets those rows
+        # of `grad` in dest's dtype, padded like the shards (H1).
+        raise NotImplementedError("TODO(task1): lay out the gradient for the reduce-scatter")
 
     def set_sharded_grad(self, shard: torch.Tensor) -> None:
         """Store this rank's reduced rows (`shard`: padded, original dtype) as the gradient."""
-        # TODO(task1): the first rows of `shard` become the sharded parameter's gradient, a
-        # Shard(0) DTensor like the parameter; if a gradient is already there, add to it
-        raise NotImplementedError("TODO(task1): the first rows of `shard` become the sharded parameter's gradient, a Shard(0) DTensor like the parameter; if a gradient is already there, add to it")
+        # TODO(task1): hand the shard its gradient
+        # The optimizer and clip_grad_norm_ read `self.sharded.grad`: a Shard(0) DTensor like the
+        # parameter; with a gradient already there (accumulation), add to it.
+        raise NotImplementedError("TODO(task1): hand the shard its gradient")
 
     def accumulate_grad(self) -> None:
         """After a backward without gradient sync: keep the full gradient for the next one."""
-        # TODO(bonus3): autograd already adds into `.grad`, except when the reduce dtype differs
-        # from the compute dtype: then FSDP2 accumulates in a copy in the reduce dtype
-        # (`self.accumulated_grad`, dtype `self.accumulate_dtype`), which gives other bits;
-        # take_grad hands the accumulator over at the synced backward
+        # TODO(bonus3): keep the full gradient for the next backward
+        # Autograd adds into `.grad` by itself; under mixed precision FSDP2 accumulates a copy in
+        # the reduce dtype instead (H9), which `take_grad` hands over at the synced backward.
 
 
 # --------------------------------------------------------------------------------------
 # Group level: the parameters of one fully_shard call, gathered and reduced together.
 # --------------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingGather:
+    """An all-gather in flight: its work handle and the flat buffer it fills."""
+
+    work: dist.Work | None
+    flat: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.flat
 
 
 @dataclass
@@ -189,6 +229,9 @@ class PendingReduce:
     work: dist.Work | None
     output: torch.Tensor
     params: list[FSDPParam]
+
+    def done(self) -> bool:
+        return self.work is None or self.work.is_completed()
 
     def finish(self) -> None:
         if self.work is not None:
@@ -220,49 +263,60 @@ class FSDPGroup:
         for p in params:
             self.offsets.append(self.offsets[-1] + p.padded_numel)
         self.shard_numel = self.offsets[-1]
-        self.is_unsharded = False
-        self.pending_gather: tuple[dist.Work | None, torch.Tensor] | None = None
+        self.state = ShardedState.SHARDED
+        self.pending_gather: PendingGather | None = None
+        self.fqn = ""  # the module's name in the model, set when the root starts (for labels)
         # Controls, as in FSDP2 (set through FSDPModule).
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.reduce_grads = True
 
+    def label(self, phase: str) -> str:
+        """A profiler range name like FSDP2's: `FSDP::all_gather (layers.3)`."""
+        return f"FSDP::{phase} ({self.fqn})" if self.fqn else f"FSDP::{phase}"
+
     # ---- all-gather -------------------------------------------------------------------
 
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op if gathered or already on the way)."""
-        if self.is_unsharded or self.pending_gather is not None:
+        if self.state is not ShardedState.SHARDED:
             return
         for p in self.params:
             p.check_storage()
-        # TODO(task1): all-gather: copy this rank's padded shards (cast to the compute dtype)
-        # into its row of one flat buffer, then one all_gather_into_tensor, asynchronously
-        raise NotImplementedError("TODO(task1): all-gather: copy this rank's padded shards (cast to the compute dtype) into its row of one flat buffer, then one all_gather_into_tensor, asynchronously")
+        with record_function(self.label("all_gather")):
+            # TODO(task1): start the all-gather
+            # Every rank sends its padded shards of all the group's parameters, already in the
+            # compute dtype, in one asynchronous collective into one flat buffer (H5, H6).
+            raise NotImplementedError("TODO(task1): start the all-gather")
+        self.state = ShardedState.GATHERING
 
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather and put the full parameters in place."""
-        if self.pending_gather is None:
+        if self.state is not ShardedState.GATHERING:
             return
-        work, flat = self.pending_gather
-        self.pending_gather = None
-        # TODO(task1): wait for the all-gather, copy each parameter's columns out of the
-        # flat buffer and swap the full parameters into the modules
-        raise NotImplementedError("TODO(task1): wait for the all-gather, copy each parameter's columns out of the flat buffer and swap the full parameters into the modules")
-        self.is_unsharded = True
+        pending, self.pending_gather = self.pending_gather, None
+        with record_function(self.label("all_gather_copy_out")):
+            # TODO(task1): finish the all-gather
+            # Once the collective is done, each parameter takes its columns of the buffer and the
+            # modules compute with the full parameters.
+            raise NotImplementedError("TODO(task1): finish the all-gather")
+        self.state = ShardedState.GATHERED
 
     def reshard(self) -> None:
         """Back to shards only: free the full parameters."""
-        if not self.is_unsharded:
+        if self.state is not ShardedState.GATHERED:
             return
-        # TODO(task1): swap the sharded parameters back in and free the full ones
-        raise NotImplementedError("TODO(task1): swap the sharded parameters back in and free the full ones")
-        self.is_unsharded = False
+        # TODO(task1): free the group's full parameters
+        # The modules go back to the sharded parameters, and the full ones give their memory back.
+        raise NotImplementedError("TODO(task1): free the group's full parameters")
+        self.state = ShardedState.SHARDED
 
     def discard_pending_gather(self) -> None:
         """A prefetch nobody used (the module did not run): finish it and drop the buffer."""
-        if self.pending_gather is not None:
-            self.pending_gather[0].wait()
+        if self.state is ShardedState.GATHERING:
+            self.pending_gather.wait()
             self.pending_gather = None
+            self.state = ShardedState.SHARDED
 
     # ---- reduce-scatter ---------------------------------------------------------------
 
@@ -271,18 +325,17 @@ class FSDPGroup:
         grads = [p.take_grad() for p in self.params]
         if all(g is None for g in grads):
             return None
-        # TODO(task1): lay the gradients out as [world, shard_numel] in the reduce dtype, each
-        # parameter at its offset (copy_grad_in; zeros where a parameter has no gradient), free
-        # them, then one asynchronous reduce_scatter_tensor into a [shard_numel] output, with
-        # ReduceOp.AVG (SUM at world size 1, as FSDP2: a world of one has nothing to average);
-        # return a PendingReduce listing the parameters that had a gradient
-        raise NotImplementedError("TODO(task1): lay the gradients out as [world, shard_numel] in the reduce dtype, each parameter at its offset (copy_grad_in; zeros where a parameter has no gradient), free them, then one asynchronous reduce_scatter_tensor into a [shard_numel] output, with ReduceOp.AVG (SUM at world size 1, as FSDP2: a world of one has nothing to average); return a PendingReduce listing the parameters that had a gradient")
+        with record_function(self.label("post_backward_reduce")):
+            # TODO(task1): start the reduce-scatter
+            # One asynchronous collective over all the group's gradients, in the reduce dtype,
+            # averaging as FSDP2 does (H7, H8); the full gradients are freed before it runs.
+            raise NotImplementedError("TODO(task1): start the reduce-scatter")
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         """The reduce-scatter is done: give each parameter its slice as sharded gradient."""
-        # TODO(task1): cast the output to the parameters' dtype, then set_sharded_grad with each
-        # reduced parameter's [offset, offset + padded_numel) slice
-        raise NotImplementedError("TODO(task1): cast the output to the parameters' dtype, then set_sharded_grad with each reduced parameter's [offset, offset + padded_numel) slice")
+        # TODO(task1): finish the reduce-scatter
+        # Each parameter that was reduced gets its slice of the output, in its own dtype.
+        raise NotImplementedError("TODO(task1): finish the reduce-scatter")
 
 
 # --------------------------------------------------------------------------------------
@@ -295,26 +348,12 @@ class RootContext:
 
     def __init__(self, states: list[FSDPState]):
         self.states = states
-        self.forward_order: list[FSDPGroup] = []     # pre-forward order of this forward
-        self.last_forward_order: list[FSDPGroup] = []  # ... of the previous one (forward prefetch)
-        self.post_forward_order: list[FSDPGroup] = []  # for backward prefetch
-        self.pending_reduce: PendingReduce | None = None
         self.final_callback_queued = False
-
-    def next_in_forward(self, group: FSDPGroup) -> FSDPGroup | None:
-        order = self.last_forward_order
-        if group in order and (i := order.index(group)) + 1 < len(order):
-            return order[i + 1]
-        return None
-
-    def finish_pending_reduce(self, only_if_done: bool = False) -> None:
-        """Finish the reduce-scatter in flight; with only_if_done, only if it already completed
-        (its buffers, gloo's copy of the input included, are freed as soon as possible)."""
-        pending = self.pending_reduce
-        if pending is None or (only_if_done and pending.work is not None and not pending.work.is_completed()):
-            return
-        self.pending_reduce = None
-        pending.finish()
+        # TODO(task2): what a forward remembers for the next one
+        # Forward prefetch needs to know, before a group runs, which group ran after it last time.
+        # TODO(task3): what backward needs from forward, and the reduce-scatter in flight
+        # Backward runs the groups in reverse, and a reduce-scatter may still be running while the
+        # next group's backward computes.
 
 
 class FSDPState:
@@ -327,9 +366,8 @@ class FSDPState:
         if group is not None:
             group.reshard_after_forward = reshard_after_forward is not False
         self.ctx: RootContext | None = None
-        self.post_forward_indices: list[int] = []
-        self.pre_backward_done = False
-        self.post_backward_done = False
+        self.is_root = False
+        self.training_state = TrainingState.IDLE
         module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self.post_forward, always_call=True)
 
@@ -342,6 +380,10 @@ class FSDPState:
                 raise RuntimeError("fully_shard: run forward through the root module first; a module "
                                    "wrapped inside it already ran forward on its own")
             state.ctx = ctx
+        self.is_root = True
+        for fqn, m in self.module.named_modules():
+            if isinstance(m, FSDPModule) and m._fsdp_state.group is not None:
+                m._fsdp_state.group.fqn = fqn
         # The root's parameters are needed again right at the start of backward: by default
         # they stay gathered after forward (as in FSDP2).
         if self.group is not None and self.auto_reshard_after_forward:
@@ -353,18 +395,18 @@ class FSDPState:
         if self.ctx is None:
             self.lazy_init()
         ctx = self.ctx
-        if ctx.states[0] is self:  # the root: a new forward begins
-            ctx.last_forward_order, ctx.forward_order = ctx.forward_order or ctx.last_forward_order, []
+        self.training_state = TrainingState.FORWARD
         if self.mp_policy.param_dtype is not None:
             cast = lambda t: t.to(self.mp_policy.param_dtype) if t.is_floating_point() else t
             args, kwargs = _map_tensors(cast, args), _map_tensors(cast, kwargs)
         if self.group is None:
             return args, kwargs
-        ctx.forward_order.append(self.group)
-        self.group.unshard()
-        self.group.wait_for_unshard()
-        # TODO(task2): forward prefetch: start gathering the group that ran next in the
-        # previous forward, so its all-gather overlaps this group's compute
+        with record_function(self.group.label("pre_forward")):
+            self.group.unshard()  # no-op if prefetched or still gathered
+            self.group.wait_for_unshard()
+            # TODO(task2): forward prefetch
+            # Start gathering the group that will run after this one, so that its all-gather runs
+            # while this group computes; it is waited for where it is used (H10).
         if torch.is_grad_enabled():
             # Identity in forward; its backward runs once the gradients w.r.t. the inputs
             # exist, i.e. when this group's backward is done: that is the post-backward.
@@ -372,17 +414,21 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        self.training_state = TrainingState.IDLE
         if self.group is not None:
-            # TODO(bonus1): with reshard_after_forward=False the parameters stay gathered until
-            # backward (the root's default, set in lazy_init; other groups when asked)
-            # stand-in until this TODO is done (replace it):
-            if self is not self.ctx.states[0]:  # the root stays gathered, as in FSDP2
-                self.group.reshard()
+            with record_function(self.group.label("post_forward")):
+                # TODO(bonus1): keep the parameters gathered until backward when asked
+                # With reshard_after_forward=False a group keeps its full parameters from forward to
+                # backward (the root by default: backward starts with it), so backward gathers nothing.
+                # stand-in until this TODO is done (replace it):
+                if not self.is_root:  # FSDP2's default: the root stays gathered
+                    self.group.reshard()
         if not torch.is_grad_enabled():
             return output
         if self.group is not None:
-            self.post_forward_indices.append(len(self.ctx.post_forward_order))
-            self.ctx.post_forward_order.append(self.group)
+            # TODO(task3): remember where this group ran, for backward
+            # Backward visits the groups in the reverse of the order in which forward finished them.
+            pass
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(self.pre_backward)
@@ -392,58 +438,64 @@ class FSDPState:
 
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Runs when the gradient w.r.t. this module's output is ready, before its backward."""
-        if self.pre_backward_done:  # once per backward, however many outputs
-            return grad
-        self.pre_backward_done = True
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return grad  # once per backward, however many outputs
+        self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.ctx
         if not ctx.final_callback_queued:
             ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(self.final_callback)
         if self.group is None:
             return grad
-        ctx.finish_pending_reduce(only_if_done=True)
-        self.group.unshard()  # no-op if prefetched or never resharded
-        self.group.wait_for_unshard()
-        # TODO(task3): backward prefetch: start gathering the group that ran just before this
-        # one in forward (it runs its backward next), before this group's reduce-scatter
+        with record_function(self.group.label("pre_backward")):
+            # TODO(task3): finish a reduce-scatter that is already done
+            # Its buffers (gloo's copy of the input included) are freed before this group's
+            # all-gather allocates more; one still running is left to run.
+            self.group.unshard()  # no-op if prefetched or never resharded
+            self.group.wait_for_unshard()
+            # TODO(task3): backward prefetch
+            # Start gathering the group whose backward runs next, so that its all-gather runs
+            # while this group's backward computes (H11).
         return grad
 
     def post_backward(self) -> None:
         """This group's backward is done: reshard and reduce-scatter its gradients."""
-        if self.post_backward_done or self.group is None:
+        if self.training_state is TrainingState.POST_BACKWARD or self.group is None:
             return
-        self.post_backward_done = True
+        self.training_state = TrainingState.POST_BACKWARD
         group = self.group
-        # TODO(bonus2): with reshard_after_backward=False the parameters stay gathered, so the
-        # next forward needs no all-gather
-        # stand-in until this TODO is done (replace it):
-        group.reshard()
-        # TODO(bonus3): without gradient sync, keep the full gradients and skip the reduce-scatter
-        # At most one reduce-scatter in flight, as in FSDP2: the previous one's buffers are
-        # freed before this one's are allocated.
-        self.ctx.finish_pending_reduce()
-        pending = group.reduce_scatter()
-        if pending is None:
-            return
-        # TODO(task3): leave the reduce-scatter in flight so it overlaps the backward of the group
-        # before (the next post-backward or the end of backward finishes it)
-        # stand-in until this TODO is done (replace it):
-        pending.finish()
+        with record_function(group.label("post_backward")):
+            # TODO(bonus2): keep the parameters gathered after backward when asked
+            # With reshard_after_backward=False they stay for the next micro-step's forward, which
+            # then gathers nothing.
+            # stand-in until this TODO is done (replace it):
+            group.reshard()
+            # TODO(bonus3): without gradient sync, keep the full gradients and skip the reduce-scatter
+            # The next synced backward reduces the sum once (H9).
+            # TODO(task3): at most one reduce-scatter in flight
+            # As in FSDP2, the previous one's buffers are freed before this one's are allocated.
+            pending = group.reduce_scatter()
+            if pending is None:
+                return
+            # TODO(task3): leave the reduce-scatter in flight
+            # It runs while the next group's backward computes; something must finish it later.
+            # stand-in until this TODO is done (replace it):
+            pending.finish()
 
     def final_callback(self) -> None:
         """End of backward: post-backward for groups autograd never reached, wait for the rest."""
         ctx = self.ctx
-        for state in ctx.states:
-            # The root's inputs (token ids) need no gradient, so its post-backward runs here.
-            state.post_backward()
-        ctx.finish_pending_reduce()
-        for state in ctx.states:
-            if state.group is not None:
-                state.group.discard_pending_gather()
-            state.pre_backward_done = state.post_backward_done = False
-            state.post_forward_indices.clear()
-        ctx.post_forward_order.clear()
-        ctx.final_callback_queued = False
+        with record_function("FSDP::root_post_backward_callback"):
+            for state in ctx.states:
+                # The root's inputs (token ids) need no gradient, so its post-backward runs here.
+                state.post_backward()
+            # TODO(task3): nothing may stay in flight after backward
+            # The optimizer reads the sharded gradients next, and the next backward starts afresh.
+            for state in ctx.states:
+                if state.group is not None:
+                    state.group.discard_pending_gather()
+                state.training_state = TrainingState.IDLE
+            ctx.final_callback_queued = False
 
 
 class _PostBackward(torch.autograd.Function):

@@ -90,6 +90,10 @@ NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_(?P<algo>[A-Za-z]+)")
 NCCL_KIND = {"AllGather": "all_gather", "ReduceScatter": "reduce_scatter", "AllReduce": "all_reduce"}
 COMPUTE_OPS = ("aten::", "fsdp::")
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
+# FSDP's profiler ranges around a group's collectives (FSDP2's names, which the hand-written FSDP
+# shares): `FSDP::all_gather (layers.3)`; the root's group has no name in parentheses.
+GROUP_RANGE = re.compile(r"^FSDP::(?:all_gather|post_backward_reduce)(?: \((?P<fqn>.*)\))?$")
+ROOT_GROUP = "<root>"
 ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "int": 4, "long int": 8,
             "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 
@@ -199,6 +203,8 @@ class StepStats:
     all_gather: CollectiveStats = field(default_factory=CollectiveStats)
     reduce_scatter: CollectiveStats = field(default_factory=CollectiveStats)
     all_reduce: CollectiveStats = field(default_factory=CollectiveStats)
+    by_group: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    """(kind, phase, group) -> collectives issued inside that group's FSDP range (see GROUP_RANGE)."""
 
     def kind(self, kind: str) -> CollectiveStats:
         return getattr(self, kind)
@@ -215,6 +221,8 @@ def mean(steps: list[StepStats]) -> StepStats:
                     sum(c.hidden_ms for c in comms) / n, sum(c.timed for c in comms) / n)
 
     out = StepStats(None, None, sum(s.step_ms for s in steps) / n)
+    for key in {k for s in steps for k in s.by_group}:
+        out.by_group[key] = sum(s.by_group.get(key, 0) for s in steps) / n
     for kind in KINDS:
         out.kind(kind).total = avg([s.kind(kind).total for s in steps])
         for phase in (*PHASES, OTHER):
@@ -275,6 +283,16 @@ class Trace:
         self.ops = sorted((e for e in self.ranges if e["name"] in C10D_OPS), key=lambda e: e["ts"])
         self.kernels = [e for e in self.ranges if e.get("cat") == "kernel"]
         self.cuda = bool(self.kernels)
+        groups: dict[tuple, list] = defaultdict(list)  # (pid, tid) -> FSDP group ranges on it
+        for e in self.ranges:
+            if e.get("cat") == "user_annotation" and (m := GROUP_RANGE.match(e["name"])):
+                groups[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"], m["fqn"] or ROOT_GROUP))
+        self.groups = {thread: Ranges(r) for thread, r in groups.items()}
+
+    def group_of(self, op: dict) -> str | None:
+        """The FSDP group whose all-gather or reduce-scatter range issued this c10d op, if any."""
+        ranges = self.groups.get((op.get("pid"), op.get("tid")))
+        return ranges.at(op["ts"]) if ranges else None
 
 
 def _dims(event: dict, index: int) -> tuple | None:
@@ -350,8 +368,12 @@ def analyze_trace(trace: Trace | str | Path | dict) -> list[StepStats]:
         return C10D_OPS[op["name"]][0] if op["name"] in C10D_OPS else op["name"]
 
     counts: dict[tuple, int] = defaultdict(int)  # (step, kind, phase)
+    by_group: dict[int, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))  # step -> (kind, phase, group)
     for op in t.ops:
-        counts[t.steps.at(op["ts"]), kind_of(op), t.phases.at(op["ts"], OTHER)] += 1
+        step, kind, phase = t.steps.at(op["ts"]), kind_of(op), t.phases.at(op["ts"], OTHER)
+        counts[step, kind, phase] += 1
+        if (group := t.group_of(op)) is not None:
+            by_group[step][kind, phase, group] += 1
     intervals: dict[tuple, list[Interval]] = defaultdict(list)
     collectives, compute = _cuda_intervals(t) if t.cuda else _cpu_intervals(t)
     for op, span in collectives:
@@ -364,7 +386,7 @@ def analyze_trace(trace: Trace | str | Path | dict) -> list[StepStats]:
 
     out = []
     for start, end, step in t.steps.ranges:
-        stats = StepStats(t.rank, step, (end - start) / 1e3)
+        stats = StepStats(t.rank, step, (end - start) / 1e3, by_group=dict(by_group[step]))
         for kind in KINDS:
             agg = stats.kind(kind)
             for phase in (*PHASES, OTHER):

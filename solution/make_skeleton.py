@@ -2,10 +2,12 @@
 
     uv run python -m solution.make_skeleton            # rewrite fsdp.py
     uv run python -m solution.make_skeleton --check    # exit 1 if fsdp.py is out of date
+    uv run python -m solution.make_skeleton --stats    # lines per task, for the README
 
 In the solution, each piece of the exercise sits between two comment lines:
 
-    # region task1: what to write (the hint; more comment lines may follow)
+    # region task1: the piece to write, in a few words
+    # what it must achieve and why (at most two lines; README's Hints hold the facts)
     ...the reference code...
     # else: code the student file runs instead (optional, one line each)
     # endregion
@@ -103,7 +105,8 @@ def _todo(region: Region, needs_statement: bool) -> list[str]:
     ind = region.indent
     lines = [f"{ind}# TODO({region.tag}): {region.hint[0]}"] + [f"{ind}# {h}" for h in region.hint[1:]]
     if region.tag in REQUIRED:
-        message = f"TODO({region.tag}): {' '.join(region.hint)}".replace("\\", "\\\\").replace('"', '\\"')
+        # One short line: the piece to write. The hint is in the comment right above the raise.
+        message = f"TODO({region.tag}): {region.hint[0]}".replace("\\", "\\\\").replace('"', '\\"')
         return lines + [f'{ind}raise NotImplementedError("{message}")']
     if region.fallback:
         return lines + [f"{ind}# stand-in until this TODO is done (replace it):"] + [ind + code for code in region.fallback]
@@ -134,16 +137,54 @@ def skeleton(solution: str) -> str:
     return render(solution).replace(SOLUTION_NOTE, STUDENT_NOTE, 1)
 
 
+def _code_lines(lines: list[str]) -> int:
+    return sum(1 for line in lines if line.strip() and not line.lstrip().startswith("#"))
+
+
+def line_counts(solution: str) -> dict[str, tuple[int, int]]:
+    """Per tag: (code lines the student writes, regions); "given": (code lines outside regions, 0).
+    Comments, blank lines and docstrings' insides count as they are: only code and docstring lines."""
+    counts: dict[str, list[int]] = {tag: [0, 0] for tag in TAGS}
+    given, region, body = [], None, []
+    for line in solution.splitlines():
+        if m := OPEN.match(line):
+            region, body = m["tag"], []
+        elif CLOSE.match(line) and region:
+            counts[region][0] += _code_lines(body)
+            counts[region][1] += 1
+            region = None
+        elif region:
+            body.append(line)
+        else:
+            given.append(line)
+    out = {tag: (n, k) for tag, (n, k) in counts.items()}
+    out["given"] = (_code_lines(given), 0)
+    return out
+
+
+def stats_table(solution: str) -> str:
+    """The README's instructor table: what each task asks the student to write."""
+    counts = line_counts(solution)
+    rows = ["| task | regions | lines the student writes (reference) |", "| --- | --- | --- |"]
+    rows += [f"| {tag} | {k} | {n} |" for tag, (n, k) in counts.items() if tag != "given"]
+    rows.append(f"| given: code and docstrings outside the regions | - | {counts['given'][0]} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
-    check = "--check" in sys.argv[1:]
-    unknown = [a for a in sys.argv[1:] if a != "--check"]
+    args = sys.argv[1:]
+    check, stats = "--check" in args, "--stats" in args
+    unknown = [a for a in args if a not in ("--check", "--stats")]
     if unknown:
-        print(f"solution.make_skeleton: unknown argument(s) {unknown}; usage: python -m solution.make_skeleton [--check]", file=sys.stderr)
+        print(f"solution.make_skeleton: unknown argument(s) {unknown}; usage: python -m solution.make_skeleton "
+              "[--check] [--stats]", file=sys.stderr)
         return 2
     if not SOLUTION.exists():
-        print(f"solution.make_skeleton: {SOLUTION} is missing",
-              file=sys.stderr)
+        print(f"solution.make_skeleton: {SOLUTION} is missing", file=sys.stderr)
         return 2
+    if stats:
+        print(stats_table(SOLUTION.read_text()))
+        return 0
     text = skeleton(SOLUTION.read_text())
     compile(text, str(SKELETON), "exec")
     if check:

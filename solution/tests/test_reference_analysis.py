@@ -45,3 +45,12 @@ def test_reference_hides_what_fsdp2_does_not(runs):
 
 def test_memory(runs):
     assert_memory(runs["reference"])
+
+
+def test_collectives_are_found_per_group_as_in_fsdp2(runs):
+    """The reference labels its collectives with FSDP2's range names and module names, so the
+    analysis attributes each one to its group, and per group and phase they equal FSDP2's."""
+    for name in ("fsdp2", "reference"):
+        groups = {g for (kind, phase, g) in runs[name].comm.by_group}
+        assert groups == {analysis.ROOT_GROUP, *(f"layers.{i}" for i in range(6))}, (name, groups)
+    assert runs["reference"].comm.by_group == runs["fsdp2"].comm.by_group

@@ -51,7 +51,7 @@ def g(flag):
 
 def test_render_regions():
     out = render(SOURCE)
-    assert '    # TODO(task1): double it\n    # (more hint)\n    raise NotImplementedError("TODO(task1): double it (more hint)")' in out
+    assert '    # TODO(task1): double it\n    # (more hint)\n    raise NotImplementedError("TODO(task1): double it")' in out
     assert "        # TODO(task2): optional, nothing instead\n        pass\n" in out  # keeps `if` valid
     assert "    # TODO(bonus1): optional, with a fallback\n    # stand-in until this TODO is done (replace it):\n    z = 0\n" in out
     ns = {}
@@ -92,3 +92,31 @@ def test_tasks_1_to_3_without_bonuses_pass_the_task_tests(pool2, tmp_path):
     checks.assert_overlap(profiles, "backward")
     checks.check_memory(pool2, str(tasks_only), "float32", "float32")
     checks.check_residency(pool2, str(tasks_only))
+
+
+def test_readme_table_of_lines_per_task_is_current():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- stats -->\n", 1)[1].split("\n<!-- /stats -->", 1)[0]
+    assert table == make_skeleton.stats_table(make_skeleton.SOLUTION.read_text()), (
+        "README's table of lines per task is stale: paste `uv run python -m solution.make_skeleton --stats`")
+
+
+def test_hints_say_what_in_two_lines_and_todos_stop_with_one():
+    """Each region: a short name (the NotImplementedError message) and at most two lines of hint;
+    the hints they cite exist in the README."""
+    solution = make_skeleton.SOLUTION.read_text()
+    lines = solution.splitlines()
+    readme = (ROOT / "README.md").read_text()
+    for i, line in enumerate(lines):
+        if m := make_skeleton.OPEN.match(line):
+            hint = []
+            for nxt in lines[i + 1:]:
+                if not nxt.strip().startswith("# ") or make_skeleton.ELSE.match(nxt) or make_skeleton.CLOSE.match(nxt):
+                    break
+                hint.append(nxt.strip()[2:])
+            assert len(m["hint"]) <= 70, f"line {i + 1}: the piece's name is the error message: keep it short"
+            assert len(hint) <= 2, f"line {i + 1}: {m['tag']}'s hint has {len(hint)} lines; at most 2 (facts go to README)"
+            for cited in __import__("re").findall(r"\bH\d+\b", " ".join(hint)):
+                assert f"**{cited} " in readme, f"line {i + 1} cites {cited}, which README's Hints lack"
+    for message in __import__("re").findall(r'NotImplementedError\("(TODO\([^"]*)"\)', (ROOT / "fsdp.py").read_text()):
+        assert len(message) <= 80 and "\n" not in message, message
