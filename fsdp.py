@@ -470,8 +470,8 @@ class FSDPState:
             # then gathers nothing.
             # stand-in until this TODO is done (replace it):
             group.reshard()
-            # TODO(bonus3): without gradient sync, keep the full gradients and skip the reduce-scatter
-            # The next synced backward reduces the sum once (H9).
+            # TODO(bonus3): skip the reduce-scatter without gradient sync
+            # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
             # TODO(task3): at most one reduce-scatter in flight
             # As in FSDP2, the previous one's buffers are freed before this one's are allocated.
             pending = group.reduce_scatter()

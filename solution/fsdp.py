@@ -568,8 +568,8 @@ class FSDPState:
                 group.reshard()
             # else: group.reshard()
             # endregion
-            # region bonus3: without gradient sync, keep the full gradients and skip the reduce-scatter
-            # The next synced backward reduces the sum once (H9).
+            # region bonus3: skip the reduce-scatter without gradient sync
+            # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
             if not group.reduce_grads:
                 for p in group.params:
                     p.accumulate_grad()
