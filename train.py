@@ -11,7 +11,6 @@ it returns every step's loss, grad norm, time and peak memory.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from harness import assets, impl, memory, profiling
+from harness import assets, impl, memory, model_setup, profiling
 from harness.distributed import current_device, init_distributed, shutdown_distributed
 from harness.errors import ConfigError
 
@@ -123,29 +122,6 @@ def validate(cfg: Config) -> None:
 # --------------------------------------------------------------------------- model, wrapping, data
 
 
-def model_args(name: str, seq_len: int, vocab_size: int):
-    from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
-
-    if name == "debug":
-        return dataclasses.replace(llama3_args["debugmodel"], vocab_size=vocab_size, max_seq_len=seq_len)
-    return TransformerModelArgs(  # Llama 3.2 1B shapes
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=1024,
-        rope_theta=500000, vocab_size=128256, max_seq_len=seq_len,
-    )
-
-
-def build_model(cfg: Config, device: torch.device, vocab_size: int) -> nn.Module:
-    """The same full model on every rank: same seed, same init, before any sharding."""
-    from torchtitan.models.llama3 import Transformer
-
-    torch.manual_seed(cfg.seed)
-    with torch.device(device):
-        model = Transformer(model_args(cfg.model, cfg.seq_len, vocab_size))
-    with torch.no_grad():
-        model.init_weights()
-    return model
-
-
 def fsdp_module(cfg: Config) -> ModuleType:
     """The namespace whose `fully_shard` and `MixedPrecisionPolicy` wrap the model."""
     return impl.fsdp2() if cfg.fsdp == "fsdp2" else impl.load(cfg.impl)
@@ -222,7 +198,7 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     dist.barrier()
     assets.check(ROOT)
 
-    model = build_model(cfg, device, assets.vocab_size(ROOT))
+    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, device, assets.vocab_size(ROOT))
     mesh = init_device_mesh(device.type, (world_size,))
     if cfg.fsdp == "none":
         if world_size > 1:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import train
-from harness import assets
+from harness import assets, model_setup
 from harness.distributed import current_device
 from harness.ranks import RankError, RankPool
 
@@ -277,7 +277,7 @@ def memory_job(cfg: train.Config) -> tuple[list[int], int]:
     from torchtitan.models.llama3.model.model import TransformerBlock
 
     with torch.device("meta"):
-        block = TransformerBlock(0, train.model_args(cfg.model, cfg.seq_len, assets.vocab_size()))
+        block = TransformerBlock(0, model_setup.model_args(cfg.model, cfg.seq_len, assets.vocab_size()))
     dtype = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
     block_bytes = sum(p.numel() for p in block.parameters()) * dtype.itemsize
     return train.train(cfg).peak_memory, block_bytes
@@ -438,7 +438,7 @@ def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, re
     what = f"{label}, {describe(cfg, pool.world_size)}"
     profiles, results = run_profiled(pool, cfg, folder, what, check_shards=True)
     stats = {"fsdp2": profiles.fsdp2, "effdl": profiles.effdl}
-    groups = train.model_args(cfg.model, cfg.seq_len, assets.vocab_size()).n_layers + 1
+    groups = model_setup.model_args(cfg.model, cfg.seq_len, assets.vocab_size()).n_layers + 1
     for m in modes:
         for who in ("fsdp2", "effdl"):
             s = stats[who].comm

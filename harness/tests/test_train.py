@@ -22,7 +22,7 @@ import torch
 import tyro
 
 import train
-from harness import checks, distributed, impl
+from harness import checks, distributed, impl, model_setup
 from harness.distributed import free_port
 from harness.errors import ConfigError
 from harness.ranks import RankError, RankPool
@@ -429,7 +429,7 @@ def test_1b_flavour_has_llama_3_2_1b_shapes():
     from torchtitan.models.llama3 import Transformer
 
     with torch.device("meta"):
-        model = Transformer(train.model_args("1b", seq_len=2048, vocab_size=2048))
+        model = Transformer(model_setup.model_args("1b", seq_len=2048, vocab_size=2048))
     assert len(model.layers) == 16 and model.output.weight.shape == (128256, 2048)
     assert model.layers["0"].attention.wk.weight.shape == (512, 2048)  # 8 KV heads of 64
     assert model.layers["0"].feed_forward.w1.weight.shape == (8192, 2048)
