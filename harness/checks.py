@@ -138,14 +138,14 @@ def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: s
 
 
 def assert_same_numbers(ref: train.TrainResult, got: train.TrainResult, what: str) -> None:
-    for metric in ("losses", "grad_norms"):
+    for metric, label in (("losses", "loss"), ("grad_norms", "grad norm")):
         a, b = getattr(ref, metric), getattr(got, metric)
         if len(a) != len(b):
             raise AssertionError(f"{what}: FSDP2 ran {len(a)} steps, the hand-written FSDP {len(b)}")
         for step, (x, y) in enumerate(zip(a, b), start=1):
             if x != y:
                 raise AssertionError(
-                    f"{what}: {metric[:-1].replace('_', ' ')} differs at step {step}: FSDP2 {x!r}, "
+                    f"{what}: {label} differs at step {step}: FSDP2 {x!r}, "
                     f"hand-written {y!r} (steps before it were equal: {step - 1}). Bitwise equality "
                     "needs FSDP2's padding, casts and ReduceOp.AVG inside the reduce-scatter."
                 )

@@ -17,8 +17,8 @@ SOLUTION = make_skeleton.SOLUTION
 MUTANTS = {
     # Pre-dividing and summing is what many write; at world size 3 it is not bit-equal to AVG.
     "predivide": (
-        "        op = dist.ReduceOp.AVG if self.world > 1 else dist.ReduceOp.SUM\n",
-        "        flat.div_(self.world)\n        op = dist.ReduceOp.SUM\n",
+        "            op = dist.ReduceOp.AVG if self.world > 1 else dist.ReduceOp.SUM\n",
+        "            flat.div_(self.world)\n            op = dist.ReduceOp.SUM\n",
     ),
     # Overwriting instead of accumulating the sharded gradient loses all micro-steps but the last.
     "overwrite-grad": (
@@ -38,8 +38,8 @@ MUTANTS = {
     ],
     # Never resharding after forward: every block's full parameters stay until backward.
     "no-reshard-after-forward": (
-        "            if self.group.reshard_after_forward:\n                self.group.reshard()\n",
-        "            pass\n",
+        "                if self.group.reshard_after_forward:\n                    self.group.reshard()\n",
+        "                pass\n",
     ),
     # Bonus 3 accumulating in the compute dtype (bf16) instead of FSDP2's reduce-dtype copy.
     "accumulate-in-compute-dtype": (
@@ -48,14 +48,14 @@ MUTANTS = {
     ),
     # Keeping every all-gather buffer: memory grows step after step.
     "leak-gather-buffers": (
-        "        columns = flat.view(self.world, self.shard_numel)\n",
-        "        self.__dict__.setdefault('leaked', []).append(flat)\n"
-        "        columns = flat.view(self.world, self.shard_numel)\n",
+        "            self.pending_gather = PendingGather(work, flat)\n",
+        "            self.pending_gather = PendingGather(work, flat)\n"
+        "            self.__dict__.setdefault('leaked', []).append(flat)\n",
     ),
     # Never resharding after backward: full parameters are left in the model between steps.
     "no-reshard-after-backward": (
-        "        if group.reshard_after_backward:\n            group.reshard()\n",
-        "        if False:\n            group.reshard()\n",
+        "            if group.reshard_after_backward:\n                group.reshard()\n",
+        "            if False:\n                group.reshard()\n",
     ),
 }
 
@@ -78,8 +78,14 @@ def mutant(tmp_path_factory):
     return make
 
 
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_every_mutant_still_mutates(mutant, name):
+    """Fast and first: a reworded reference must not leave a mutant silently stale."""
+    assert Path(mutant(name)).read_text() != SOLUTION.read_text()
+
+
 @pytest.mark.parametrize("name, world, precision, message", [
-    ("predivide", 3, ("float32", "float32"), "differs from FSDP2"),
+    ("predivide", 3, ("float32", "float32"), "loss differs at step"),
     ("overwrite-grad", 2, ("float32", "float32"), "differs at step"),
     ("ignore-reduce-dtype", 2, ("bfloat16", "float32"), "differs at step"),
     ("tensor-split-rows", 3, ("float32", "float32"), "torch.chunk gives it"),
