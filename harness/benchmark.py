@@ -101,7 +101,7 @@ def main(args: Args) -> int:
                                              snapshots_dir=Path(tmp) / f"{name}-snapshots")
                 pool.run(train.train, traced)
                 comm = analysis.analyze_run(traced.traces_dir).comm
-                hidden[name] = (comm.all_gather.hidden_fraction, comm.reduce_scatter.hidden_fraction)
+                hidden[name] = (comm.all_gather.hidden_text, comm.reduce_scatter.hidden_text)
         med = {k: (statistics.median(times[k]), statistics.median(peaks[k])) for k in configs}
         rows.append((seq, med, hidden))
 
@@ -113,7 +113,7 @@ def main(args: Args) -> int:
         m_ratio = med["effdl"][1] / med["fsdp2"][1]
         print(f"{seq:>5} | {med['fsdp2'][0] * 1000:>7.0f} ms {med['effdl'][0] * 1000:>5.0f} ms {t_ratio:>6.2f} |"
               f" {med['fsdp2'][1] / 2**20:>6.1f} MiB {med['effdl'][1] / 2**20:>6.1f} MiB {m_ratio:>6.3f} |"
-              f" {hidden['fsdp2'][0]:>15.0%} {hidden['effdl'][0]:>5.0%} | {hidden['fsdp2'][1]:>15.0%} {hidden['effdl'][1]:>5.0%}")
+              f" {hidden['fsdp2'][0]:>15} {hidden['effdl'][0]:>5} | {hidden['fsdp2'][1]:>15} {hidden['effdl'][1]:>5}")
     print(f"targets: step-time ratio <= {target} ({args.device}), peak-memory ratio <= 1.00")
     return 0
 
