@@ -26,7 +26,8 @@ def pick_device(flag: str) -> torch.device:
     GPU to each process through CUDA_VISIBLE_DEVICES (each sees one GPU: its index 0)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    bound = gpus == 1 and len(os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")) == 1
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    bound = gpus == 1 and len(visible) == 1
     enough = gpus >= local_world or bound
     if flag == "cuda" and not enough:
         raise ConfigError(
