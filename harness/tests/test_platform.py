@@ -257,3 +257,29 @@ with RankPool(2) as pool:
     assert "ranks [('darwin', 'lo', False, True, True), ('darwin', 'lo', False, True, True)]" in proc.stdout, show(proc)
     assert "memory Skipped peak memory per step not compared: exact per-step CPU memory needs Linux's /proc" \
         in proc.stdout, show(proc)
+
+
+def uv() -> list[str] | None:
+    import shutil
+
+    if exe := shutil.which("uv"):
+        return [exe]
+    probe = subprocess.run([sys.executable, "-m", "uv", "--version"], capture_output=True)
+    return [sys.executable, "-m", "uv"] if probe.returncode == 0 else None
+
+
+@pytest.mark.skipif(uv() is None, reason="uv is not installed")
+@pytest.mark.parametrize("target, installs", [
+    ("aarch64-apple-darwin", True), ("aarch64-unknown-linux-gnu", True), ("x86_64-unknown-linux-gnu", True),
+    ("x86_64-apple-darwin", False),  # torch 2.11 has no Intel-Mac wheel: proves the check can fail
+])
+def test_lock_installs_on(target, installs, tmp_path):
+    """`uv sync --frozen` for another platform, planned from uv.lock alone (offline, installs nothing)."""
+    env = {**os.environ, "UV_OFFLINE": "1", "UV_PROJECT_ENVIRONMENT": str(tmp_path / "venv")}
+    proc = subprocess.run([*uv(), "sync", "--frozen", "--dry-run", "--python-platform", target], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if installs:
+        assert proc.returncode == 0 and "+ torch==2.11.0" in proc.stderr + proc.stdout, show(proc)
+        assert ("+ triton==" in proc.stderr + proc.stdout) == target.endswith("linux-gnu"), show(proc)
+    else:
+        assert proc.returncode != 0 and "torch" in proc.stderr, show(proc)
