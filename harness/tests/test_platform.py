@@ -235,9 +235,19 @@ def ranks_platform() -> tuple:
             getattr(sys.modules.get(compat.KERNELS), "__harness_stub__", False), m._STATUS is None)
 
 
+def skip_unfinished(impl: str) -> None:
+    """Checks against FSDP2 need a hand-written FSDP that trains: not the skeleton's task 1 TODOs."""
+    from harness.impl import impl_path
+
+    path = impl_path(impl)
+    if 'NotImplementedError("TODO(task1)' in path.read_text():
+        pytest.skip(f"{path} has task 1 to do; this compares a working FSDP with FSDP2")
+
+
 def test_graded_parity_under_simulated_macos(impl):
     """The graded parity check at world size 2 (gloo over loopback, chosen explicitly) and the
     memory check's reasoned skip, in ranks that take every non-Linux path."""
+    skip_unfinished(impl)
     code = f"""
 import sys
 from harness import checks
