@@ -68,6 +68,8 @@ def main(args: Args) -> int:
     print(f"benchmark: {args.model} model, {world} x {args.device}, batch {args.batch_size}, {args.num_steps} "
           f"steps (first skipped), {args.repeats} interleaved runs each; hand-written: {args.impl} "
           f"({path})", flush=True)
+    if args.device == "cpu" and (why := memory.exact_available()):
+        print(f"peak memory: from the speed runs, not exact ({why}); {memory.NOTE[len('note: '):]}", flush=True)
     rows = []
     for seq in args.seq_lens:
         base = dict(model=args.model, seq_len=seq, batch_size=args.batch_size, num_steps=args.num_steps,
@@ -79,8 +81,10 @@ def main(args: Args) -> int:
         # On CPU, speed and memory come from separate runs: exact CPU memory (every free handed
         # back to the OS) costs page faults, which would blur the speed comparison. On CUDA the
         # speed runs' peak allocated is exact already.
-        passes = [(False, ("time", "peak") if args.device == "cuda" else ("time",))]
-        if args.device == "cpu":
+        # Without exact CPU memory (macOS: no /proc, no glibc) the speed runs' peak is the best there is.
+        exact_runs = args.device == "cpu" and memory.exact_available() is None
+        passes = [(False, ("time",) if exact_runs else ("time", "peak"))]
+        if exact_runs:
             passes.append((True, ("peak",)))
         for exact, measured in passes:
             for r in range(args.repeats):
