@@ -5,12 +5,13 @@
     uv run python -m harness.benchmark --impl student --seq-lens 256
 
 For each sequence length, FSDP2 and the hand-written FSDP alternate (A B, B A, A B, ...), each
-run on fresh ranks forked from the same preloaded image, so drifting machine load and what a
+run on fresh ranks (on CPU forked from the same preloaded image), so drifting machine load and what a
 process accumulated hit both alike. Reported as ratios hand-written / FSDP2 of the medians:
   * step time: median over runs of each run's median step (the first step, warm-up, skipped);
   * peak memory: CUDA's peak allocated; on CPU the peak resident set above the rank's resident
     set when the run began (the Python/torch baseline, the same for both, would hide any ratio),
-    from separate runs with --exact-cpu-memory (slower, so not used for the step times);
+    from separate runs with --exact-cpu-memory (slower, so not used for the step times); where
+    that is unavailable (macOS) the speed runs' peak since the rank started, baseline included;
   * hidden: the fraction of all-gather / reduce-scatter time that ran while compute ran, from
     one profiled run each (harness/analysis.py).
 Targets: step time <= 0.95 on CPU (FSDP2 overlaps nothing there), <= 1.02 on CUDA; memory <= 1.00.
