@@ -23,6 +23,10 @@ def pytest_report_header(config):
     return f"hand-written FSDP under test: {path}"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs CUDA GPUs (NCCL); skipped with the reason where too few")
+
+
 @pytest.fixture(scope="session")
 def impl(request) -> str:
     return request.config.getoption("--impl")

@@ -192,6 +192,8 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     device = current_device(cfg.device)
     if device.type == "cpu" and cfg.exact_cpu_memory:
         memory.exact_cpu_memory()
+    if cfg.log and rank == 0 and (note := memory.note(device)):
+        print(note, flush=True)
 
     if rank == 0:
         assets.ensure(ROOT, log=lambda msg: print(msg, flush=True))

@@ -1,5 +1,10 @@
 """What students run but never edit: data, rank pools, checks, profiling, analysis, benchmark.
 
 Tools run as modules from the repository root, e.g. `uv run python -m harness.benchmark`.
-Importing the package imports nothing else: each module pulls in only what it needs.
+Importing the package imports nothing else except `compat`, whose `install()` must run before
+torchtitan is imported anywhere (it stands in for a triton module where triton is absent).
 """
+
+from harness import compat as _compat
+
+_compat.install()

@@ -169,6 +169,12 @@ class Comm:
     def hidden_fraction(self) -> float:
         return self.hidden_ms / self.time_ms if self.time_ms > 0 else 0.0
 
+    @property
+    def hidden_text(self) -> str:
+        """The hidden fraction as a percentage, or "no communication" where none ran (world size
+        1: FSDP2 skips its reduce-scatter and NCCL launches no kernel), which 0 % would misstate."""
+        return f"{self.hidden_fraction:.0%}" if self.time_ms > 0 else "no communication"
+
 
 @dataclass
 class CollectiveStats:
@@ -191,6 +197,10 @@ class CollectiveStats:
     @property
     def hidden_fraction(self) -> float:
         return self.total.hidden_fraction
+
+    @property
+    def hidden_text(self) -> str:
+        return self.total.hidden_text
 
 
 @dataclass
@@ -576,10 +586,10 @@ def table(runs: dict[str, RunStats]) -> str:
         if kind == "all_reduce":
             continue  # the grad norm and the loss: counted, not worth timing
         row(f"{name} time (ms)", lambda r, k=kind: f"{r.comm.kind(k).time_ms:.1f}")
-        row(f"{name} hidden", lambda r, k=kind: f"{r.comm.kind(k).hidden_fraction:.0%}")
+        row(f"{name} hidden", lambda r, k=kind: r.comm.kind(k).hidden_text)
         for phase in PHASES:
             if any(r.comm.kind(kind).by_phase[phase].time_ms for r in runs.values()):
-                row(f"  in {phase}", lambda r, k=kind, p=phase: f"{r.comm.kind(k).by_phase[p].hidden_fraction:.0%}")
+                row(f"  in {phase}", lambda r, k=kind, p=phase: r.comm.kind(k).by_phase[p].hidden_text)
     row("peak memory (MiB)", memory(lambda m: mib(m.peak)))
     row("  in forward", memory(lambda m: mib(m.peak_forward)))
     row("  in backward", memory(lambda m: mib(m.peak_backward)))

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from harness import compat
 from harness.errors import ConfigError
 
 
@@ -19,17 +20,43 @@ def free_port() -> int:
 
 
 def pick_device(flag: str) -> torch.device:
-    """auto: CUDA when every rank on this machine has its own GPU, else CPU."""
+    """auto: CUDA when every rank on this machine has its own GPU, else CPU.
+
+    Either every rank sees all GPUs (rank r takes GPU LOCAL_RANK), or a scheduler binds one
+    GPU to each process through CUDA_VISIBLE_DEVICES (each sees one GPU: its index 0)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if flag == "cuda" and gpus < local_world:
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    bound = gpus == 1 and len(visible) == 1
+    enough = gpus >= local_world or bound
+    if flag == "cuda" and not enough:
         raise ConfigError(
             f"--device cuda needs one GPU per rank: found {gpus} GPU(s) for {local_world} rank(s) on this "
             "machine; use --device cpu (gloo) or fewer processes"
         )
-    if flag == "cuda" or (flag == "auto" and gpus >= local_world):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if flag == "cuda" or (flag == "auto" and enough):
+        return torch.device("cuda", 0 if gpus < local_world else int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def deterministic_cuda() -> None:
+    """The settings torchtitan's `--debug.deterministic` makes (torchtitan/distributed/utils.py),
+    so that a CUDA run repeats bit for bit and FSDP2 and a hand-written FSDP, running the same
+    kernels, agree bit for bit. CUBLAS_WORKSPACE_CONFIG must be set before cuBLAS starts.
+
+    Attention: torchtitan's SDPA wrapper prefers the cuDNN and flash backends, whose backward
+    may accumulate in a varying order (flash only honours the deterministic flag in its C++
+    source, which no Python test here can check); the math backend is built from matmuls and
+    softmax, which the settings above make deterministic. So on CUDA attention runs the math
+    backend, in FSDP2's runs and the hand-written ones alike (slower, same numbers each run)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    from torch.nn.attention import SDPBackend
+    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+
+    ScaledDotProductAttentionWrapper.sdpa_backends = [SDPBackend.MATH]
 
 
 def init_distributed(device_flag: str = "auto") -> torch.device:
@@ -40,9 +67,12 @@ def init_distributed(device_flag: str = "auto") -> torch.device:
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         device = pick_device(device_flag)
         if device.type == "cuda":
+            deterministic_cuda()
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
         else:
+            if "GLOO_SOCKET_IFNAME" not in os.environ and (name := compat.gloo_interface(os.environ["MASTER_ADDR"])):
+                os.environ["GLOO_SOCKET_IFNAME"] = name
             dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     return current_device(device_flag)
 
@@ -55,6 +85,8 @@ def current_device(device_flag: str) -> torch.device:
     device = pick_device(device_flag)
     if (backend == "nccl") != (device.type == "cuda"):
         raise ConfigError(f"--device {device_flag} does not match the {backend} process group already running")
+    if device.type == "cuda":
+        deterministic_cuda()
     return device
 
 

@@ -7,10 +7,13 @@ then run many jobs:
     with RankPool(world_size=2) as pool:
         results = pool.run(train.train, cfg)   # one result per rank
 
-Ranks fork from a forkserver that has imported train.py and torchtitan once, so a
-new pool costs well under a second instead of an import per rank. A job is any
-importable function; it runs on every rank inside the already
-initialised process group. If a rank raises, `run` raises `RankError` with that
+CPU ranks fork from a forkserver that has imported train.py and torchtitan once, so a
+new pool costs well under a second instead of an import per rank. CUDA ranks cannot: importing
+torchtitan asks `torch.cuda.is_available()` (torchtitan/tools/utils.py), whose
+`cudaGetDeviceCount` marks every later fork as unable to use CUDA ("Cannot re-initialize CUDA
+in forked subprocess", torch/cuda/__init__.py), so they are spawned and import it themselves.
+A job is any importable function; it runs on every rank inside the already initialised
+process group. If a rank raises, `run` raises `RankError` with that
 rank's traceback. If ranks do not answer in time (usually a collective waiting
 on a rank that went another way), `run` raises `RankTimeout` naming them. When
 every rank answered (even with an error) the pool stays up; when some rank hangs it
@@ -35,6 +38,14 @@ from harness.distributed import free_port, init_distributed, shutdown_distribute
 # clean single-threaded process (nothing ran in it), which makes forking it safe.
 PRELOAD = ["train", "torchtitan.models.llama3", "torchtitan.hf_datasets.text_datasets",
            "torchtitan.components.tokenizer"]
+
+
+def start_method(device: str) -> tuple[str, list[str]]:
+    """(multiprocessing start method, modules the forkserver preloads) for ranks on `device`."""
+    import torch
+
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.device_count() > 0)
+    return ("spawn", []) if cuda else ("forkserver", PRELOAD)
 
 
 class RankError(RuntimeError):
@@ -71,8 +82,10 @@ def _worker(rank: int, world_size: int, port: int, device: str, threads: int, jo
 
 class RankPool:
     def __init__(self, world_size: int, *, device: str = "cpu", start_timeout: float = 180.0):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        method, preload = start_method(device)
+        ctx = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload(preload)
         self.world_size = world_size
         self.device = device
         threads = max(1, (os.cpu_count() or 1) // world_size)

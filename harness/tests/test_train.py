@@ -209,6 +209,7 @@ def test_runs_of_different_files_never_share_an_output_folder(tmp_path):
 @pytest.mark.parametrize("gpus", [0, 1])
 def test_cuda_needs_a_gpu_per_rank(gpus, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # a binding would make 1 GPU per rank enough
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     message = config_error(distributed.pick_device, "cuda")

@@ -1,0 +1,91 @@
+"""The CUDA path on real GPUs (NCCL), at world size 1 and 2: `uv run pytest -m cuda`.
+
+Skipped where there are not enough GPUs. Each world size gets its own spawned pool (one GPU per
+rank) and checks: every precision case bit-identical to FSDP2 (deterministic algorithms, see
+harness/distributed.py), the same run twice bit-identical, a profiled run whose NCCL collectives
+the analysis finds (none at world size 1, which it must call "no communication"), and a CUDA
+memory snapshot that `python -m torch.cuda._memory_viz` reads.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from harness import analysis, checks
+from harness.tests.test_platform import skip_unfinished
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLDS = [1, 2]
+
+pytestmark = pytest.mark.cuda
+
+
+def gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def cuda_pool(request):
+    world = request.param
+    if gpus() < world:
+        pytest.skip(f"needs {world} CUDA GPU(s), found {gpus()}")
+    from harness.ranks import RankPool
+
+    with RankPool(world, device="cuda") as pool:
+        yield pool
+
+
+def test_ranks_use_their_own_gpu_with_nccl(cuda_pool):
+    devices = cuda_pool.run(rank_device)
+    assert devices == [(r, "nccl", f"cuda:{r}", True) for r in range(cuda_pool.world_size)], devices
+
+
+def rank_device():
+    import torch.distributed as dist
+
+    from harness.distributed import current_device
+
+    device = current_device("auto")
+    return dist.get_rank(), dist.get_backend(), str(device), torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("param_dtype, reduce_dtype", checks.PRECISIONS)
+def test_parity_with_fsdp2(cuda_pool, impl, param_dtype, reduce_dtype):
+    skip_unfinished(impl)
+    checks.check_parity(cuda_pool, impl, param_dtype, reduce_dtype)
+
+
+def test_same_run_twice_is_bit_identical(cuda_pool):
+    cfg = checks.config(param_dtype="bfloat16", reduce_dtype="float32")
+    first = [(r.losses, r.grad_norms) for r in cuda_pool.run(train.train, cfg)]
+    again = [(r.losses, r.grad_norms) for r in cuda_pool.run(train.train, cfg)]
+    assert first == again, f"two identical CUDA runs differ: {first} vs {again}"
+
+
+def test_trace_and_snapshot(cuda_pool, impl, tmp_path):
+    skip_unfinished(impl)
+    profiles = checks.profile_both(cuda_pool, impl, tmp_path)
+    world = cuda_pool.world_size
+    for name, run in (("fsdp2", profiles.fsdp2), ("effdl", profiles.effdl)):
+        ag = run.comm.all_gather
+        if world > 1:
+            assert ag.count_by_phase.get("forward") and ag.total.timed and ag.time_ms > 0, (
+                f"{name}: NCCL all-gathers not found in the trace: {ag}")
+            assert run.comm.reduce_scatter.count_by_phase.get("backward"), f"{name}: no reduce-scatter found"
+    if world > 1:
+        checks.assert_same_collectives(profiles)
+    else:  # FSDP2 skips its reduce-scatter at world size 1 (_fsdp_collectives.py: `if world_size > 1`)
+        assert profiles.fsdp2.comm.reduce_scatter.hidden_text == "no communication", profiles.fsdp2.comm.reduce_scatter
+        table = analysis.table({"fsdp2": profiles.fsdp2, "effdl": profiles.effdl})
+        assert re.search(r"reduce-scatter hidden +no communication", table), table
+    snapshot = tmp_path / "effdl" / "snapshots" / "rank0.pickle"
+    proc = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(snapshot),
+                           "-o", str(tmp_path / "rank0.html")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and (tmp_path / "rank0.html").stat().st_size > 0, proc.stderr[-4000:]
