@@ -283,6 +283,7 @@ def main(args: Args) -> int:
     import torch
 
     plan = QUICK if args.quick else FULL
+    flags = ["--impl", args.impl] + (["--quick"] if args.quick else [])
     if args.impl == "solution":  # the reference, where this checkout has it
         args = dataclasses.replace(args, impl=str(ROOT / "solution" / "fsdp.py"))
     path = impl.impl_path(args.impl)
@@ -296,7 +297,6 @@ def main(args: Args) -> int:
     assets.ensure(ROOT)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    flags = ["--impl", args.impl] + (["--quick"] if args.quick else [])
     command = "uv run python -m harness.report " + " ".join(flags)
     base = dict(model="debug", seq_len=plan.seq_len, batch_size=plan.batch_size, num_steps=plan.steps,
                 profile_steps=0, log=False, device=device, **plan.model)
@@ -584,7 +584,25 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def cli(args: Args) -> int:
+    from harness.errors import ConfigError
+    from harness.ranks import RankError
+
+    try:
+        return main(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RankError as e:
+        todo = [line for line in str(e).splitlines() if "NotImplementedError: TODO(" in line]
+        if not todo:
+            raise
+        print(f"error: {todo[-1].split(': ', 1)[1]} (in {impl.impl_path(args.impl)}): the report needs a file that "
+              "trains (task 1 done); try --impl solution where this checkout has it", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
     import tyro
 
-    sys.exit(main(tyro.cli(Args)))
+    sys.exit(cli(tyro.cli(Args)))
