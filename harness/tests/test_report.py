@@ -20,25 +20,39 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def good_data() -> dict:
+    model = {"sharded params": 40, "grads": 40, "optimizer state": 80, "gathered params": 100,
+             "activations": 50, "comm buffers": 20}
+    parts = dict(model, **{"gathered params": 90, "params_numel": 10, "optimizer steps": 8})
     return dict(
+        n_params=19,
         comm_volume=[dict(run="effdl", kind="all_gather", measured_count=13.0, measured_bytes=100.0,
                           analytic_count=13, analytic_bytes=100)],
+        reshard=[dict(run="effdl", reshard_after_forward=True, all_gathers=13.0, analytic_all_gathers=13),
+                 dict(run="effdl", reshard_after_forward=False, all_gathers=7.0, analytic_all_gathers=7)],
         step_time=[dict(run="effdl", hidden_share=0.5), dict(run="noprefetch", hidden_share=0.1)],
-        losses={"fsdp2": [8.0, 7.5], "effdl": [8.0, 7.5]},
-        memory=[dict(world=2, run="effdl", measured=1000)],
+        losses={"fsdp2": [8.0, 7.5], "effdl": [8.0, 7.5], "noprefetch": [8.0, 7.5]},
+        memory=[dict(world=2, run="effdl", measured=1000, model=model, parts=parts,
+                     rank_sums=dict(parts, params_numel=19))],
     )
 
 
 def test_check_passes_good_numbers():
     assert report.check(good_data()) == []
+    assert report.timing_warnings(good_data()) == []
 
 
 @pytest.mark.parametrize("mutate, expected", [
     (lambda d: d["comm_volume"][0].update(measured_bytes=150.0), "all_gather: measured 13 collectives, 150 B"),
     (lambda d: d["comm_volume"][0].update(measured_count=12.0), "measured 12 collectives"),
-    (lambda d: d["step_time"][1].update(hidden_share=0.5), "set_prefetch(False) did not stop prefetching"),
+    # the no-reshard-after-forward mutant: blocks stay gathered, backward gathers nothing
+    (lambda d: d["reshard"][0].update(all_gathers=7.0), "reshard_after_forward=True: 7 all-gathers per step, analytic 13"),
     (lambda d: d["losses"]["effdl"].__setitem__(1, math.nan), "non-finite"),
+    (lambda d: d["losses"]["noprefetch"].__setitem__(1, 7.5000001), "noprefetch: losses [8.0, 7.5000001] are not bit-identical"),
     (lambda d: d["memory"][0].update(measured=0), "measured peak 0 B"),
+    (lambda d: d["memory"][0]["parts"].update(grads=80), "measured grads 80 B on the largest rank, analytic 40 B"),
+    (lambda d: d["memory"][0]["parts"].update({"optimizer state": 120}), "measured optimizer state 120 B"),
+    (lambda d: d["memory"][0]["rank_sums"].update(params_numel=20), "shards hold 20 elements, the model has 19"),
+    (lambda d: d["memory"][0]["parts"].update(activations=0), "activations 0 B"),
 ])
 def test_check_catches_mutants(mutate, expected):
     data = copy.deepcopy(good_data())
@@ -47,12 +61,22 @@ def test_check_catches_mutants(mutate, expected):
     assert len(problems) == 1 and expected in problems[0], problems
 
 
+def test_timings_only_warn():
+    """A loaded machine can hide more without prefetch: said, never failed on."""
+    data = good_data()
+    data["step_time"][1]["hidden_share"] = 0.6
+    assert report.check(data) == []
+    (warning,) = report.timing_warnings(data)
+    assert "hidden share without prefetch (60%) is not below with prefetch (50%)" in warning
+
+
 def test_analytic_volume_pads_like_torch_chunk():
     # 5 rows on 4 ranks: chunks of 2 rows, so every rank sends 2 x 3 elements: 4 x 6 x 4 bytes.
     assert report.group_bytes([(5, 3)], 4) == 4 * 6 * 4
     groups = {"<root>": [(5, 3)], "layers.0": [(4,)]}
     # forward gathers both groups, backward the block again; one reduce-scatter each.
     assert report.comm_volume(groups, 4) == {"all_gather": (3, 96 + 16 + 16), "reduce_scatter": (2, 96 + 16)}
+    assert (report.all_gathers(groups, True), report.all_gathers(groups, False)) == (3, 2)
 
 
 def test_no_prefetch_needs_the_hand_written_fsdp():
@@ -86,18 +110,29 @@ def test_quick_report_end_to_end(impl, tmp_path):
         assert (tmp_path / f"{png}.png").stat().st_size > 10_000, png
         assert f"({png}.png)" in md  # each figure names its command
     data = json.loads((tmp_path / "report.json").read_text())
+    # Facts only: timings (step times, hidden shares) are printed, never asserted; a loaded machine moves them.
     assert data["checks"] == []
     for row in data["comm_volume"]:
         assert (row["measured_count"], row["measured_bytes"]) == (row["analytic_count"], row["analytic_bytes"])
-    hidden = {r["run"]: r["hidden_share"] for r in data["step_time"]}
-    assert hidden["noprefetch"] < hidden["effdl"]
-    assert hidden["fsdp2"] <= hidden["effdl"]
-    assert data["losses"]["fsdp2"] == data["losses"]["effdl"]
-    positive = ([r["measured"] for r in data["memory"]] + [r["step_ms"] for r in data["step_time"]]
-                + [r["seconds"] for r in data["comm_bench"]] + [r["tokens_per_s_per_rank"] for r in data["weak"]]
-                + [r["peak"] for r in data["reshard"]])
-    assert all(math.isfinite(x) and x > 0 for x in positive), positive
+    assert set(data["losses"]) == {"fsdp2", "effdl", "noprefetch"}
+    assert data["losses"]["fsdp2"] == data["losses"]["effdl"] == data["losses"]["noprefetch"]
     keep = {(r["run"], r["reshard_after_forward"]): r["all_gathers"] for r in data["reshard"]}
     for run in ("fsdp2", "effdl"):
         assert keep[run, False] < keep[run, True]  # kept gathered: backward gathers nothing
     assert sorted({r["world"] for r in data["memory"]}) == [1, 2, 4]
+    for row in data["memory"]:
+        for key in ("sharded params", "grads", "optimizer state"):
+            assert row["parts"][key] == row["model"][key], (row["world"], row["run"], key)
+        assert row["rank_sums"]["params_numel"] == data["n_params"]
+        assert row["parts"]["gathered params"] > 0 and row["parts"]["activations"] > 0
+    # The activations FSDP2 and the hand-written FSDP save are the same tensors.
+    act = {(r["world"], r["run"]): r["parts"]["activations"] for r in data["memory"]}
+    assert len(set(act.values())) == 1, act
+    assert sorted({r["world"] for r in data["comm_bench"]}) == [2, 4]
+    for r in data["comm_bench"]:
+        assert r["busbw"] == pytest.approx(r["algbw"] * (r["world"] - 1) / r["world"])
+    assert "m / a" in md and "comm buffers (a)" in md  # measured and analytic said apart
+    positive = ([r["measured"] for r in data["memory"]] + [r["step_ms"] for r in data["step_time"]]
+                + [r["seconds"] for r in data["comm_bench"]] + [r["tokens_per_s_per_rank"] for r in data["weak"]]
+                + [r["peak"] for r in data["reshard"]])
+    assert all(math.isfinite(x) and x > 0 for x in positive), positive
