@@ -55,7 +55,7 @@ class Args:
     """the FSDP under test: student (fsdp.py), solution (the reference) or the path of a .py file."""
     quick: bool = False
     """a 2-block dim-128 model, one run of each, 3 message sizes: about a minute on 2 cores (the test
-    runs it). Default, the full report: debugmodel, 2 repeats, 4 KiB..32 MiB, about 5 minutes."""
+    runs it). Default, the full report: debugmodel, 3 repeats, 4 KiB..32 MiB, about 5 minutes."""
     out: Path = ROOT / "report"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when the machine has a GPU per rank for the largest world size, else CPU."""
@@ -78,12 +78,12 @@ class Plan:
 
 
 # quick: a 2-block, dim-128 model, 4 steps, one run each, 3 message sizes (about a minute on 2 cores);
-# full: torchtitan's debugmodel (6 blocks, dim 256), 4 steps, 2 interleaved repeats, 4 KiB..32 MiB
+# full: torchtitan's debugmodel (6 blocks, dim 256), 4 steps, 3 interleaved repeats, 4 KiB..32 MiB
 # (about 5 minutes on an idle 2-core machine).
 QUICK = Plan(dict(n_layers=2, dim=128, n_heads=8), 128, 1, 4, 1, (1, 2, 4),
              (4 * 2**10, 256 * 2**10, 4 * MiB), 3, 1, (2, 4))
-FULL = Plan({}, 256, 2, 4, 2, (1, 2, 4),
-            tuple(4 * 2**10 * 4**i for i in range(6)) + (32 * MiB,), 5, 2, (2, 4))
+FULL = Plan({}, 256, 2, 4, 3, (1, 2, 4),
+            tuple(4 * 2**10 * 4**i for i in range(6)) + (32 * MiB,), 10, 2, (2, 4))
 
 
 # --------------------------------------------------------------------------- jobs (run on every rank)
@@ -501,10 +501,13 @@ def main(args: Args) -> int:
         layers = plan.weak_layers * w
         with RankPool(w, device=device) as pool:
             warm_up(pool, dataclasses.replace(cfgs["fsdp2"], n_layers=layers))
-            for name in (("fsdp2", "effdl") if w % 2 else ("effdl", "fsdp2")):
-                cfg = dataclasses.replace(cfgs[name], n_layers=layers)
-                res = pool.run(train_job, cfg)
-                step = max(statistics.median(x["step_times"][1:]) for x in res)
+            steps: dict[str, list[float]] = {"fsdp2": [], "effdl": []}
+            for r in range(plan.repeats):  # interleaved A B, B A, ...: a drifting load hits both alike
+                for name in (("fsdp2", "effdl") if (w + r) % 2 else ("effdl", "fsdp2")):
+                    res = pool.run(train_job, dataclasses.replace(cfgs[name], n_layers=layers))
+                    steps[name].append(max(statistics.median(x["step_times"][1:]) for x in res))
+            for name, times_ in steps.items():
+                step = statistics.median(times_)
                 data["weak"].append(dict(world=w, run=name, n_layers=layers, step_ms=step * 1e3,
                                          tokens_per_s_per_rank=plan.batch_size * plan.seq_len / step))
             if w in plan.bench_worlds and w != 2:
@@ -673,7 +676,8 @@ def write(out: Path, data: dict, plan: Plan, groups: dict) -> None:
                   f"{r['all_gather_bytes'] / MiB:.3f} | {mib(r.get('peak', 0))} |")
 
     md += ["", "## Weak scaling", "",
-           f"The model grows with W ({plan.weak_layers} blocks per rank); batch per rank fixed. On a machine "
+           f"The model grows with W ({plan.weak_layers} blocks per rank); batch per rank fixed; median over "
+           f"{plan.repeats} interleaved runs of each run's median step. On a machine "
            "with fewer cores than ranks the ranks share cores, so tokens/s per rank falls for that reason too.", "",
            "| W | blocks | FSDP | step (ms) | tokens/s per rank |", "| --- | --- | --- | --- | --- |"]
     for r in data["weak"]:
