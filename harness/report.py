@@ -162,8 +162,8 @@ class Components:
 
         storages = {}
         for m in self._model.modules():
-            for p in m._parameters.values():  # what each module computes with right now
-                if p is not None and not isinstance(p, DTensor) and p.untyped_storage().nbytes():
+            for _, p in m.named_parameters(recurse=False):  # what each module computes with right now
+                if not isinstance(p, DTensor) and p.untyped_storage().nbytes():
                     storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
         self.gathered = max(self.gathered, sum(storages.values()))
         return set(storages)
