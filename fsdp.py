@@ -270,6 +270,7 @@ class FSDPGroup:
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.reduce_grads = True
+        self.prefetch = True  # False: gather only where the parameters are used (set_prefetch)
 
     def label(self, phase: str) -> str:
         """A profiler range name like FSDP2's: `FSDP::all_gather (layers.3)`."""
@@ -277,9 +278,12 @@ class FSDPGroup:
 
     # ---- all-gather -------------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """Start gathering the full parameters (no-op if gathered or already on the way)."""
-        if self.state is not ShardedState.SHARDED:
+    def unshard(self, needed_now: bool = False) -> None:
+        """Start gathering the full parameters (no-op if gathered or already on the way).
+
+        Hooks pass needed_now=True where the parameters are used next; any other call is a
+        prefetch, which set_prefetch(False) turns into a no-op (same bits, no overlap)."""
+        if self.state is not ShardedState.SHARDED or not (needed_now or self.prefetch):
             return
         for p in self.params:
             p.check_storage()
@@ -402,7 +406,7 @@ class FSDPState:
         if self.group is None:
             return args, kwargs
         with record_function(self.group.label("pre_forward")):
-            self.group.unshard()  # no-op if prefetched or still gathered
+            self.group.unshard(needed_now=True)  # no-op if prefetched or still gathered
             self.group.wait_for_unshard()
             # TODO(task2): forward prefetch
             # Start gathering the group that will run after this one, so that its all-gather runs
@@ -451,7 +455,7 @@ class FSDPState:
             # TODO(task3): finish a reduce-scatter that is already done
             # Its buffers (gloo's copy of the input included) are freed before this group's
             # all-gather allocates more; one still running is left to run.
-            self.group.unshard()  # no-op if prefetched or never resharded
+            self.group.unshard(needed_now=True)  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
             # TODO(task3): backward prefetch
             # Start gathering the group whose backward runs next, so that its all-gather runs
@@ -555,7 +559,7 @@ class FSDPModule:
         group = self._fsdp_state.group
         handle = UnshardHandle(group)
         if group is not None:
-            group.unshard()
+            group.unshard(needed_now=True)
         if async_op:
             return handle
         handle.wait()
@@ -577,6 +581,11 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: parameters stay gathered after backward, so the next forward needs no all-gather."""
         self._set("reshard_after_backward", reshard_after_backward, recurse)
+
+    def set_prefetch(self, prefetch: bool, *, recurse: bool = True) -> None:
+        """False: no forward or backward prefetch; each group gathers when it runs (the same
+        numbers, nothing overlapped), to measure what prefetching buys."""
+        self._set("prefetch", prefetch, recurse)
 
     def _set(self, attr: str, value: bool, recurse: bool) -> None:
         if not isinstance(value, bool):

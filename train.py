@@ -47,6 +47,12 @@ class Config:
     with fully_shard and MixedPrecisionPolicy (e.g. a submission)."""
     model: Literal["debug", "1b"] = "debug"
     """debug: torchtitan's debugmodel (dim 256, 6 layers); 1b: a Llama 3.2 1B-sized model."""
+    dim: int | None = None
+    """override the model's width (default: the --model family's)."""
+    n_layers: int | None = None
+    """override the model's depth (transformer blocks)."""
+    n_heads: int | None = None
+    """override the model's attention heads (--dim / --n-heads must be even)."""
     num_steps: int = 5
     seq_len: int = 256
     batch_size: int = 2
@@ -59,6 +65,9 @@ class Config:
     """mixed precision: dtype of the gathered parameters used for compute (none: keep float32)."""
     reduce_dtype: Literal["float32", "bfloat16", "none"] = "none"
     """mixed precision: dtype gradients are reduce-scattered in (none: the compute dtype)."""
+    prefetch: bool = True
+    """--fsdp effdl: gather the next group while the current one computes (False: each group gathers
+    when it runs; same numbers, no overlap: FSDPModule.set_prefetch)."""
     reshard_after_forward: bool = True
     """free each block's gathered parameters after its forward (False: keep them until backward, ZeRO-2)."""
     reshard_after_backward_before_last_backward: bool = True
@@ -112,6 +121,9 @@ def validate(cfg: Config) -> None:
         }
         if bad := [flag for flag, used in fsdp_only.items() if used]:
             raise ConfigError(f"{', '.join(bad)} configure FSDP; they do nothing with --fsdp none (use --fsdp fsdp2 or effdl)")
+    if not cfg.prefetch and cfg.fsdp != "effdl":
+        raise ConfigError(f"--no-prefetch switches the hand-written FSDP's prefetch off; it needs --fsdp effdl "
+                          f"(FSDP2 on CPU prefetches nothing anyway; got --fsdp {cfg.fsdp})")
     if cfg.impl != "student" and cfg.fsdp != "effdl":
         raise ConfigError(f"--impl {cfg.impl} selects the hand-written FSDP, so it needs --fsdp effdl")
     impl.impl_path(cfg.impl)  # fails early on a bad --impl
@@ -200,13 +212,19 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     dist.barrier()
     assets.check(ROOT)
 
-    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, device, assets.vocab_size(ROOT))
+    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, device, assets.vocab_size(ROOT),
+                                    dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
     mesh = init_device_mesh(device.type, (world_size,))
     if cfg.fsdp == "none":
         if world_size > 1:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         model = apply_fsdp(model, fsdp_module(cfg), mesh, cfg)
+        if not cfg.prefetch:
+            if not hasattr(model, "set_prefetch"):
+                raise ConfigError(f"--no-prefetch: {impl.impl_path(cfg.impl)} has no FSDPModule.set_prefetch; "
+                                  "copy it (and FSDPGroup.unshard's needed_now) from the current fsdp.py")
+            model.set_prefetch(False)
     if inspect is not None:
         inspect(model, 0)
 

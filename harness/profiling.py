@@ -76,6 +76,11 @@ _CUDA_HISTORY_MAX_ENTRIES = 500_000
 _PICKLE_PROTOCOL = 4
 
 
+CPU_SNAPSHOT_NOTE = ("CPU snapshot built from the profiler's allocator events: allocations only. Frees done "
+                     "on gloo's threads are not recorded, so its peak is not the process's; for peak memory "
+                     "use peak RSS with --exact-cpu-memory (train.py) or harness.report's timeline.")
+
+
 class StepProfiler:
     """Profiles `active` training steps after `skip` steps (skip is usually 1 warm-up step);
     active == 0 disables everything (zero overhead, step() is a no-op).
@@ -309,7 +314,9 @@ def snapshot_from_chrome_trace(trace: dict, device_type: int = 0) -> dict:
         }
         for addr, (size, frames) in sorted(live.items())
     ]
-    return {"segments": segments, "device_traces": [device_trace]}
+    # Said in the file itself, since memory_viz shows it with a GPU legend: only the frees the
+    # profiler saw are in it (gloo frees on its own threads), so its peak is not the process's.
+    return {"segments": segments, "device_traces": [device_trace], "note": CPU_SNAPSHOT_NOTE}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -307,6 +307,7 @@ class FSDPGroup:
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.reduce_grads = True
+        self.prefetch = True  # False: gather only where the parameters are used (set_prefetch)
 
     def label(self, phase: str) -> str:
         """A profiler range name like FSDP2's: `FSDP::all_gather (layers.3)`."""
@@ -314,9 +315,12 @@ class FSDPGroup:
 
     # ---- all-gather -------------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """Start gathering the full parameters (no-op if gathered or already on the way)."""
-        if self.state is not ShardedState.SHARDED:
+    def unshard(self, needed_now: bool = False) -> None:
+        """Start gathering the full parameters (no-op if gathered or already on the way).
+
+        Hooks pass needed_now=True where the parameters are used next; any other call is a
+        prefetch, which set_prefetch(False) turns into a no-op (same bits, no overlap)."""
+        if self.state is not ShardedState.SHARDED or not (needed_now or self.prefetch):
             return
         for p in self.params:
             p.check_storage()
@@ -478,7 +482,7 @@ class FSDPState:
         if self.group is None:
             return args, kwargs
         with record_function(self.group.label("pre_forward")):
-            self.group.unshard()  # no-op if prefetched or still gathered
+            self.group.unshard(needed_now=True)  # no-op if prefetched or still gathered
             self.group.wait_for_unshard()
             # region task2: forward prefetch
             # Start gathering the group that will run after this one, so that its all-gather runs
@@ -542,7 +546,7 @@ class FSDPState:
                 ctx.pending_reduce, pending = None, ctx.pending_reduce
                 pending.finish()
             # endregion
-            self.group.unshard()  # no-op if prefetched or never resharded
+            self.group.unshard(needed_now=True)  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
             # region task3: backward prefetch
             # Start gathering the group whose backward runs next, so that its all-gather runs
@@ -669,7 +673,7 @@ class FSDPModule:
         group = self._fsdp_state.group
         handle = UnshardHandle(group)
         if group is not None:
-            group.unshard()
+            group.unshard(needed_now=True)
         if async_op:
             return handle
         handle.wait()
@@ -691,6 +695,11 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: parameters stay gathered after backward, so the next forward needs no all-gather."""
         self._set("reshard_after_backward", reshard_after_backward, recurse)
+
+    def set_prefetch(self, prefetch: bool, *, recurse: bool = True) -> None:
+        """False: no forward or backward prefetch; each group gathers when it runs (the same
+        numbers, nothing overlapped), to measure what prefetching buys."""
+        self._set("prefetch", prefetch, recurse)
 
     def _set(self, attr: str, value: bool, recurse: bool) -> None:
         if not isinstance(value, bool):
