@@ -27,6 +27,29 @@ def build_model(name: str, seq_len: int, seed: int, device: torch.device, vocab_
     torch.manual_seed(seed)
     with torch.device(device):
         model = Transformer(model_args(name, seq_len, vocab_size))
-    with torch.no_grad():
-        model.init_weights()
+    if device.type != "meta":  # on meta there is nothing to fill: see materialize
+        with torch.no_grad():
+            model.init_weights()
     return model
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """torchtitan's full activation checkpointing: every block runs under non-reentrant
+    `torch.utils.checkpoint` (its activations are recomputed in backward), applied before
+    fully_shard so that FSDP's hooks sit outside the recompute, as torchtitan orders them."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, block in list(model.layers.named_children()):
+        # preserve_rng_state=False as torchtitan: the Llama has no dropout, nothing random to replay.
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """FSDP2's meta-device recipe, after fully_shard: allocate only this rank's shards
+    (`to_empty`), then run the model's own initialisation on them with the run's seed."""
+    torch.manual_seed(seed)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)

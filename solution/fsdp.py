@@ -143,6 +143,24 @@ class FSDPParam:
                 "from (was the module moved or reloaded after fully_shard, e.g. .to(), to_empty() or "
                 "load_state_dict(assign=True)?); do that before fully_shard, or copy values in place")
 
+    def reset_sharded(self) -> None:
+        """After `module.to_empty(device=...)` (meta-device init) or `.to(...)`: Module._apply gave the
+        sharded parameter new storage. Pad it into a new `padded_shard` and point the parameter back at
+        that buffer's front rows, so the all-gather sends what the optimizer updates (FSDP2 does the same)."""
+        # Module._apply converts a parameter in place where it can and otherwise registers a new one.
+        param = getattr(self.module, self.name)
+        local = param.detach().to_local()
+        if local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr() \
+                and local.device == self.padded_shard.device:
+            self.sharded = param
+            return
+        self.padded_shard = local.new_zeros((self.padded_rows, *self.row_shape))
+        self.padded_shard[:local.shape[0]].copy_(local)
+        self.sharded = nn.Parameter(self.to_dtensor(self.padded_shard[:local.shape[0]]), requires_grad=self.requires_grad)
+        self.to_sharded()
+        if self.gathered is not None and self.gathered.device != local.device:
+            self.gathered = self.unsharded = None  # created again, on the new device, at the next gather
+
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's rows (of the parameter or of its gradient) as a Shard(0) DTensor."""
         return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
@@ -468,6 +486,14 @@ class FSDPState:
     # ---- forward ----------------------------------------------------------------------
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # Activation checkpointing recomputes this forward inside its own backward: the
+            # pre-backward gathered the parameters and the post-backward frees them, so this is
+            # no new forward (no prefetch, no order, no post-backward hook), as in FSDP2.
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return args, kwargs
         if self.ctx is None:
             self.lazy_init()
         ctx = self.ctx
@@ -497,6 +523,8 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return output  # a recompute in backward (see pre_forward): its backward needs them
         self.training_state = TrainingState.IDLE
         if self.group is not None:
             with record_function(self.group.label("post_forward")):
@@ -663,6 +691,20 @@ class FSDPModule:
     """Mixed into the class of every module passed to fully_shard (as FSDP2 does)."""
 
     _fsdp_state: FSDPState
+
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
+        """`to_empty()`, `.to()`, `.float()`...: nn.Module swaps the sharded parameters' data for new
+        tensors (every submodule runs this for itself); the group follows the new storage."""
+        group = self._fsdp_state.group
+        if group is not None and group.state is not ShardedState.SHARDED:
+            raise RuntimeError("fully_shard: move or materialise the model between steps, not while its "
+                               "parameters are gathered")
+        module = super()._apply(fn, *args, **kwargs)
+        if group is not None:
+            for p in group.params:
+                p.reset_sharded()
+            group.device = group.params[0].padded_shard.device
+        return module
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters now (e.g. before a forward you want to time)."""
