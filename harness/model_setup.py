@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 
 def model_args(name: str, seq_len: int, vocab_size: int):
@@ -28,6 +30,9 @@ def build_model(name: str, seq_len: int, seed: int, device: torch.device, vocab_
     with torch.device(device):
         model = Transformer(model_args(name, seq_len, vocab_size))
     if device.type != "meta":  # on meta there is nothing to fill: see materialize
+        # Seeded again here, as materialize does: building on a real device ran the modules' own
+        # default init, which drew from the generator; the meta build drew nothing.
+        torch.manual_seed(seed)
         with torch.no_grad():
             model.init_weights()
     return model
@@ -51,5 +56,29 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     (`to_empty`), then run the model's own initialisation on them with the run's seed."""
     torch.manual_seed(seed)
     model.to_empty(device=device)
-    with torch.no_grad():
+    with torch.no_grad(), FullTensorInit():
         model.init_weights(buffer_device=device)
+
+
+class FullTensorInit(TorchFunctionMode):
+    """Random initialisers (nn.init.normal_, trunc_normal_...) called on a DTensor draw the whole
+    tensor, as the full model's initialisation would, and keep this rank's part of it.
+
+    The generator then advances exactly as without sharding, so every shard equals its rows of
+    the full-model init with the same seed, whatever the world size and for both FSDPs. (DTensor's
+    own random ops on a CPU mesh draw each rank's shard from the same generator state: every rank
+    would get the same rows, duplicated neurons.) Costs one full parameter at a time, never the model.
+    """
+
+    RANDOM = {nn.init.normal_, nn.init.trunc_normal_, nn.init.uniform_, torch.Tensor.normal_, torch.Tensor.uniform_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        if func not in self.RANDOM or not isinstance(target, DTensor):
+            return func(*args, **kwargs)
+        local = target.to_local()
+        full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+        func(full, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensor"})
+        local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
+        return target
