@@ -89,7 +89,13 @@ def refuse_if_too_big(cfg, device: torch.device, vocab_size: int) -> None:
     from harness.errors import ConfigError
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    verdict = [check(cfg, dist.get_world_size(), local, vocab_size, device) if dist.get_rank() == 0 else None]
+    verdict: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            verdict = [check(cfg, dist.get_world_size(), local, vocab_size, device)]
+        except Exception as e:  # the other ranks wait in the broadcast: tell them, then raise
+            dist.broadcast_object_list([f"the memory check itself failed ({e!r}); --no-memory-check skips it"], src=0)
+            raise
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ConfigError(verdict[0])

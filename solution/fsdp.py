@@ -34,6 +34,7 @@ fsdp.py is generated from this one with each region replaced by a TODO.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable
@@ -100,6 +101,10 @@ class FSDPParam:
     def __init__(self, module: nn.Module, name: str, param: nn.Parameter, mesh: DeviceMesh,
                  mp_policy: MixedPrecisionPolicy):
         self.module, self.name, self.mesh = module, name, mesh
+        # Other (module, name) places holding this same parameter (tied weights, e.g. an embedding
+        # and the output layer): one shard, one gather, and autograd sums both uses' gradients.
+        self.aliases: list[tuple[nn.Module, str]] = []
+        _SHARDED_ORIGINALS[id(param)] = weakref.ref(param)
         self.shape, self.stride = param.shape, param.stride()
         self.requires_grad = param.requires_grad
         self.orig_dtype = param.dtype
@@ -169,9 +174,13 @@ class FSDPParam:
     # Which tensor the module sees. setattr registers it as the module's parameter.
     def to_sharded(self) -> None:
         setattr(self.module, self.name, self.sharded)
+        for module, name in self.aliases:
+            setattr(module, name, self.sharded)
 
     def to_unsharded(self) -> None:
         setattr(self.module, self.name, self.unsharded)
+        for module, name in self.aliases:
+            setattr(module, name, self.unsharded)
 
     def copy_out(self, gathered_columns: torch.Tensor) -> None:
         """Refill the full parameter from its columns of the gathered flat buffer.
@@ -767,7 +776,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if mesh is None:
         device = next(module.parameters(), torch.empty(0)).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    params = [FSDPParam(m, n, p, mesh, mp_policy) for m, n, p in _managed_parameters(module)]
+    params = []
+    for m, n, p, aliases in _managed_parameters(module):
+        params.append(FSDPParam(m, n, p, mesh, mp_policy))
+        params[-1].aliases = aliases
     group = FSDPGroup(params, mesh) if params else None
     cls = module.__class__
     if cls not in _FSDP_CLASSES:  # one FSDP class per module class, as FSDP2
@@ -778,25 +790,35 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
 
 
 _FSDP_CLASSES: dict[type, type] = {}
+# Parameters that fully_shard replaced by shards, by id (a tensor's == compares values, not identity).
+_SHARDED_ORIGINALS: dict[int, weakref.ref] = {}
 
 
-def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """(owner, name, parameter), post-order, skipping subtrees that are already FSDP modules."""
-    found: list[tuple[nn.Module, str, nn.Parameter]] = []
-    seen: set[int] = set()
+def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter, list]]:
+    """(owner, name, parameter, other places holding it), post-order, skipping subtrees that are
+    already FSDP modules. A parameter shared within the group is managed once (tied weights)."""
+    found: list[tuple[nn.Module, str, nn.Parameter, list]] = []
+    first: dict[int, int] = {}
 
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
+    def visit(m: nn.Module, prefix: str) -> None:
+        for child_name, child in m.named_children():
             if not isinstance(child, FSDPModule):
-                visit(child)
-        for name, p in m.named_parameters(recurse=False):
-            if id(p) in seen:
-                raise NotImplementedError(f"fully_shard: parameter {name} is shared between modules "
-                                          "(tied weights); this FSDP does not support that")
-            seen.add(id(p))
-            found.append((m, name, p))
+                visit(child, prefix + child_name + ".")
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if (original := _SHARDED_ORIGINALS.get(id(p))) is not None and original() is p:
+                raise NotImplementedError(
+                    f"fully_shard: parameter {prefix}{name} is shared with a module that an earlier fully_shard "
+                    "call already sharded (tied weights across groups): each group would shard its own copy "
+                    "and the two would silently part ways. Keep tied modules in one fully_shard group")
+            if id(p) in first:
+                found[first[id(p)]][3].append((m, name))
+            else:
+                first[id(p)] = len(found)
+                found.append((m, name, p, []))
 
-    visit(module)
+    visit(module, "")
     return found
 
 
