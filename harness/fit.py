@@ -99,3 +99,48 @@ def refuse_if_too_big(cfg, device: torch.device, vocab_size: int) -> None:
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ConfigError(verdict[0])
+
+
+def measure_init(argv: list[str] | None = None) -> None:
+    """Peak memory of initialisation per rank, next to the estimate; run it under torchrun:
+
+        uv run torchrun --nproc-per-node 2 -m harness.fit --model 1b [--fsdp effdl] [--no-meta-init]
+    """
+    import torch.distributed as dist
+    import tyro
+
+    import train
+    from harness import assets, memory
+    from harness.distributed import init_distributed, shutdown_distributed
+
+    cfg = tyro.cli(train.Config, args=argv)
+    device = init_distributed(cfg.device)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        vocab = assets.vocab_size(train.ROOT)
+        before = memory.resident_bytes()
+        memory.reset_peak(device)
+        model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed,
+                                        torch.device("meta") if cfg.meta_init else device, vocab)
+        mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+        if cfg.fsdp != "none":
+            model = train.apply_fsdp(model, train.fsdp_module(cfg), mesh, cfg)
+        if cfg.meta_init:
+            model_setup.materialize(model, device, cfg.seed)
+        peak = memory.peak(device)
+        mine = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
+        rows = [None] * world
+        dist.all_gather_object(rows, (rank, before, peak, mine))
+        if rank == 0:
+            est = estimate(cfg, world, vocab)
+            print(f"{cfg.fsdp} {cfg.model}, world {world}, meta_init={cfg.meta_init}: estimate of the sharded "
+                  f"state per rank {est['parameters, gradients, AdamW state (float32)'] / 2**30:.2f} GiB")
+            for r, b, p, m in rows:
+                print(f"  rank {r}: rss before {b / 2**20:8.1f} MiB | peak during init {p / 2**20:8.1f} MiB | "
+                      f"peak - before {(p - b) / 2**20:8.1f} MiB | own parameters {m / 2**20:8.1f} MiB", flush=True)
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    measure_init()

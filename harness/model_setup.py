@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 
@@ -80,5 +80,11 @@ class FullTensorInit(TorchFunctionMode):
         local = target.to_local()
         full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
         func(full, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensor"})
-        local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
+        if tuple(target.placements) == (Shard(0),):  # both FSDPs: torch.chunk's rows, copied straight in
+            chunks = full.chunk(target.device_mesh.size())
+            rank = target.device_mesh.get_local_rank()
+            if rank < len(chunks):
+                local.copy_(chunks[rank])
+        else:
+            local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
         return target
