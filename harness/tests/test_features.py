@@ -51,6 +51,9 @@ class Recompute(nn.Module):
     def forward(self, *args):
         return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
 
+    def init_weights(self, *args, **kwargs):  # the Llama's init_weights calls it on every block
+        return self.block.init_weights(*args, **kwargs)
+
 
 def recompute_outside_job(cfg: train.Config):
     """train_job with every already-wrapped block called under torch.utils.checkpoint."""
@@ -141,7 +144,7 @@ def tied_job(impl: str | None, split: bool = False) -> list[dict[str, torch.Tens
         out.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-        out[-1].update({n: p.full_tensor() for n, p in model.named_parameters()})
+        out[-1].update({n: p.detach().full_tensor() for n, p in model.named_parameters()})
     assert model.out.weight is model.embed.weight, "the tie was broken by fully_shard"
     return out
 
@@ -168,7 +171,8 @@ def test_activation_checkpointing_changes_nothing_numerically(pool2):
     with_ac = pool2.run(checks.train_job, checks.as_fsdp2(short(None, activation_checkpoint="full")))
     without = pool2.run(checks.train_job, checks.as_fsdp2(short(None)))
     assert with_ac[0][0].losses == without[0][0].losses
-    assert [d for _, d in with_ac] == [d for _, d in without]
+    # The names differ (layers.N._checkpoint_wrapped_module...), the shards must not.
+    assert [[list(s.values()) for s in d] for _, d in with_ac] == [[list(s.values()) for s in d] for _, d in without]
 
 
 @pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "float32"), ("none", "none")])
