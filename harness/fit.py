@@ -56,7 +56,7 @@ def estimate(cfg, world_size: int, vocab_size: int) -> dict[str, int]:
         "parameters, gradients, AdamW state (float32)": 16 * total // world,
         "gathered groups and their full gradients": 2 * compute * (root + 2 * block) if sharded else 4 * total,
         "activations": activations,
-        "logits and their gradient (float32)": 3 * tokens * vocab_size * 4,
+        "logits and their gradient (float32)": 3 * tokens * args.vocab_size * 4,
         "the process (torch, torchtitan)": PROCESS_BYTES,
     }
     if not (cfg.meta_init and sharded):

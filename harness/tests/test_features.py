@@ -48,8 +48,8 @@ class Recompute(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, *args):
-        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
     def init_weights(self, *args, **kwargs):  # the Llama's init_weights calls it on every block
         return self.block.init_weights(*args, **kwargs)
