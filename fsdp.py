@@ -35,6 +35,7 @@ it is written), then task2 and task3 (overlap), then the bonuses. Check your wor
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable
@@ -101,6 +102,10 @@ class FSDPParam:
     def __init__(self, module: nn.Module, name: str, param: nn.Parameter, mesh: DeviceMesh,
                  mp_policy: MixedPrecisionPolicy):
         self.module, self.name, self.mesh = module, name, mesh
+        # Other (module, name) places holding this same parameter (tied weights, e.g. an embedding
+        # and the output layer): one shard, one gather, and autograd sums both uses' gradients.
+        self.aliases: list[tuple[nn.Module, str]] = []
+        _SHARDED_ORIGINALS[id(param)] = weakref.ref(param)
         self.shape, self.stride = param.shape, param.stride()
         self.requires_grad = param.requires_grad
         self.orig_dtype = param.dtype
@@ -139,6 +144,24 @@ class FSDPParam:
                 "from (was the module moved or reloaded after fully_shard, e.g. .to(), to_empty() or "
                 "load_state_dict(assign=True)?); do that before fully_shard, or copy values in place")
 
+    def reset_sharded(self) -> None:
+        """After `module.to_empty(device=...)` (meta-device init) or `.to(...)`: Module._apply gave the
+        sharded parameter new storage. Pad it into a new `padded_shard` and point the parameter back at
+        that buffer's front rows, so the all-gather sends what the optimizer updates (FSDP2 does the same)."""
+        # Module._apply converts a parameter in place where it can and otherwise registers a new one.
+        param = getattr(self.module, self.name)
+        local = param.detach().to_local()
+        if local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr() \
+                and local.device == self.padded_shard.device:
+            self.sharded = param
+            return
+        self.padded_shard = local.new_zeros((self.padded_rows, *self.row_shape))
+        self.padded_shard[:local.shape[0]].copy_(local)
+        self.sharded = nn.Parameter(self.to_dtensor(self.padded_shard[:local.shape[0]]), requires_grad=self.requires_grad)
+        self.to_sharded()
+        if self.gathered is not None and self.gathered.device != local.device:
+            self.gathered = self.unsharded = None  # created again, on the new device, at the next gather
+
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's rows (of the parameter or of its gradient) as a Shard(0) DTensor."""
         return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
@@ -147,9 +170,13 @@ class FSDPParam:
     # Which tensor the module sees. setattr registers it as the module's parameter.
     def to_sharded(self) -> None:
         setattr(self.module, self.name, self.sharded)
+        for module, name in self.aliases:
+            setattr(module, name, self.sharded)
 
     def to_unsharded(self) -> None:
         setattr(self.module, self.name, self.unsharded)
+        for module, name in self.aliases:
+            setattr(module, name, self.unsharded)
 
     def copy_out(self, gathered_columns: torch.Tensor) -> None:
         """Refill the full parameter from its columns of the gathered flat buffer.
@@ -396,6 +423,14 @@ class FSDPState:
     # ---- forward ----------------------------------------------------------------------
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # Activation checkpointing recomputes this forward inside its own backward: the
+            # pre-backward gathered the parameters and the post-backward frees them, so this is
+            # no new forward (no prefetch, no order, no post-backward hook), as in FSDP2.
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return args, kwargs
         if self.ctx is None:
             self.lazy_init()
         ctx = self.ctx
@@ -418,6 +453,8 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return output  # a recompute in backward (see pre_forward): its backward needs them
         self.training_state = TrainingState.IDLE
         if self.group is not None:
             with record_function(self.group.label("post_forward")):
@@ -554,6 +591,20 @@ class FSDPModule:
 
     _fsdp_state: FSDPState
 
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
+        """`to_empty()`, `.to()`, `.float()`...: nn.Module swaps the sharded parameters' data for new
+        tensors (every submodule runs this for itself); the group follows the new storage."""
+        group = self._fsdp_state.group
+        if group is not None and group.state is not ShardedState.SHARDED:
+            raise RuntimeError("fully_shard: move or materialise the model between steps, not while its "
+                               "parameters are gathered")
+        module = super()._apply(fn, *args, **kwargs)
+        if group is not None:
+            for p in group.params:
+                p.reset_sharded()
+            group.device = group.params[0].padded_shard.device
+        return module
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters now (e.g. before a forward you want to time)."""
         group = self._fsdp_state.group
@@ -620,7 +671,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if mesh is None:
         device = next(module.parameters(), torch.empty(0)).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    params = [FSDPParam(m, n, p, mesh, mp_policy) for m, n, p in _managed_parameters(module)]
+    params = []
+    for m, n, p, aliases in _managed_parameters(module):
+        params.append(FSDPParam(m, n, p, mesh, mp_policy))
+        params[-1].aliases = aliases
     group = FSDPGroup(params, mesh) if params else None
     cls = module.__class__
     if cls not in _FSDP_CLASSES:  # one FSDP class per module class, as FSDP2
@@ -631,25 +685,35 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
 
 
 _FSDP_CLASSES: dict[type, type] = {}
+# Parameters that fully_shard replaced by shards, by id (a tensor's == compares values, not identity).
+_SHARDED_ORIGINALS: dict[int, weakref.ref] = {}
 
 
-def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """(owner, name, parameter), post-order, skipping subtrees that are already FSDP modules."""
-    found: list[tuple[nn.Module, str, nn.Parameter]] = []
-    seen: set[int] = set()
+def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter, list]]:
+    """(owner, name, parameter, other places holding it), post-order, skipping subtrees that are
+    already FSDP modules. A parameter shared within the group is managed once (tied weights)."""
+    found: list[tuple[nn.Module, str, nn.Parameter, list]] = []
+    first: dict[int, int] = {}
 
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
+    def visit(m: nn.Module, prefix: str) -> None:
+        for child_name, child in m.named_children():
             if not isinstance(child, FSDPModule):
-                visit(child)
-        for name, p in m.named_parameters(recurse=False):
-            if id(p) in seen:
-                raise NotImplementedError(f"fully_shard: parameter {name} is shared between modules "
-                                          "(tied weights); this FSDP does not support that")
-            seen.add(id(p))
-            found.append((m, name, p))
+                visit(child, prefix + child_name + ".")
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if (original := _SHARDED_ORIGINALS.get(id(p))) is not None and original() is p:
+                raise NotImplementedError(
+                    f"fully_shard: parameter {prefix}{name} is shared with a module that an earlier fully_shard "
+                    "call already sharded (tied weights across groups): each group would shard its own copy "
+                    "and the two would silently part ways. Keep tied modules in one fully_shard group")
+            if id(p) in first:
+                found[first[id(p)]][3].append((m, name))
+            else:
+                first[id(p)] = len(found)
+                found.append((m, name, p, []))
 
-    visit(module)
+    visit(module, "")
     return found
 
 

@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from harness import assets, impl, memory, model_setup, profiling
+from harness import assets, checkpoint, fit, impl, memory, model_setup, profiling
 from harness.distributed import current_device, init_distributed, shutdown_distributed
 from harness.errors import ConfigError
+from harness.validate import validate
 
 ROOT = Path(__file__).resolve().parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
@@ -87,6 +88,18 @@ class Config:
     mapping), so the logged peak rss is each step's true peak; costs speed (page faults)."""
     log: bool = True
     """rank 0 prints one line per step."""
+    activation_checkpoint: Literal["none", "full"] = "none"
+    """full: every block recomputes its activations in backward (torchtitan's full AC): less memory, more compute."""
+    meta_init: bool = True
+    """build on the meta device and materialise only each rank's shards after wrapping (False: build the full model first)."""
+    memory_check: bool = True
+    """refuse, before building anything, a run estimated not to fit in the memory available (harness/fit.py)."""
+    checkpoint_dir: Path | None = None
+    """save distributed checkpoints (torch.distributed.checkpoint) under this folder (harness/checkpoint.py)."""
+    checkpoint_every: int = 0
+    """with --checkpoint-dir: save every N steps (0: after the last step only)."""
+    resume: bool = False
+    """continue from the latest checkpoint in --checkpoint-dir."""
 
 
 @dataclass
@@ -100,37 +113,6 @@ class TrainResult:
     snapshot_path: Path | None = None
 
 
-def validate(cfg: Config) -> None:
-    for name in ("num_steps", "seq_len", "batch_size", "num_gradient_accumulation_steps"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.num_gradient_accumulation_steps < 2:
-        for flag in ("reshard_after_backward_before_last_backward", "reduce_grads_before_last_backward"):
-            if not getattr(cfg, flag):
-                raise ConfigError(
-                    f"--no-{flag.replace('_', '-')} only changes what happens between micro-steps, so it "
-                    f"needs --num-gradient-accumulation-steps >= 2 (got {cfg.num_gradient_accumulation_steps})")
-    if not 0 <= cfg.profile_steps <= cfg.num_steps:
-        raise ConfigError(f"--profile-steps must be between 0 and --num-steps ({cfg.num_steps}), got {cfg.profile_steps}")
-    if cfg.fsdp == "none":
-        fsdp_only = {
-            "--param-dtype": cfg.param_dtype != "none", "--reduce-dtype": cfg.reduce_dtype != "none",
-            "--no-reshard-after-forward": not cfg.reshard_after_forward,
-            "--no-reshard-after-backward-before-last-backward": not cfg.reshard_after_backward_before_last_backward,
-            "--no-reduce-grads-before-last-backward": not cfg.reduce_grads_before_last_backward,
-        }
-        if bad := [flag for flag, used in fsdp_only.items() if used]:
-            raise ConfigError(f"{', '.join(bad)} configure FSDP; they do nothing with --fsdp none (use --fsdp fsdp2 or effdl)")
-    if not cfg.prefetch and cfg.fsdp != "effdl":
-        raise ConfigError(f"--no-prefetch switches the hand-written FSDP's prefetch off; it needs --fsdp effdl "
-                          f"(FSDP2 on CPU prefetches nothing anyway; got --fsdp {cfg.fsdp})")
-    if cfg.impl != "student" and cfg.fsdp != "effdl":
-        raise ConfigError(f"--impl {cfg.impl} selects the hand-written FSDP, so it needs --fsdp effdl")
-    impl.impl_path(cfg.impl)  # fails early on a bad --impl
-    if cfg.model == "debug" and cfg.seq_len > 2048:
-        raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the data supports well; use <= 2048")
-
-
 # --------------------------------------------------------------------------- model, wrapping, data
 
 
@@ -142,6 +124,7 @@ def fsdp_module(cfg: Config) -> ModuleType:
 def apply_fsdp(model: nn.Module, fsdp: ModuleType, mesh: DeviceMesh, cfg: Config) -> nn.Module:
     """One wrapping for every implementation: each transformer block, then the root."""
     mp_policy = fsdp.MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    model_setup.apply_activation_checkpointing(model, cfg.activation_checkpoint)
     for block in model.layers.values():
         fsdp.fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=cfg.reshard_after_forward)
     # The root (embeddings, final norm, output) keeps its default: not resharded after
@@ -212,35 +195,40 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     dist.barrier()
     assets.check(ROOT)
 
-    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, device, assets.vocab_size(ROOT),
-                                    dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
+    if cfg.memory_check:
+        fit.refuse_if_too_big(cfg, device, assets.vocab_size(ROOT))
+    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, torch.device("meta") if cfg.meta_init else device,
+                                    assets.vocab_size(ROOT), dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
     mesh = init_device_mesh(device.type, (world_size,))
     if cfg.fsdp == "none":
-        if world_size > 1:
-            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model_setup.apply_activation_checkpointing(model, cfg.activation_checkpoint)
     else:
-        model = apply_fsdp(model, fsdp_module(cfg), mesh, cfg)
+        model = impl.explain_errors(apply_fsdp, model, fsdp_module(cfg), mesh, cfg)
         if not cfg.prefetch:
-            if not hasattr(model, "set_prefetch"):
-                raise ConfigError(f"--no-prefetch: {impl.impl_path(cfg.impl)} has no FSDPModule.set_prefetch; "
-                                  "copy it (and FSDPGroup.unshard's needed_now) from the current fsdp.py")
-            model.set_prefetch(False)
+            impl.turn_off_prefetch(model, cfg.impl)
+    if cfg.meta_init:
+        impl.explain_errors(model_setup.materialize, model, device, cfg.seed)
+    if cfg.fsdp == "none" and world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if inspect is not None:
         inspect(model, 0)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1, foreach=True)
     data = build_data(cfg, rank, world_size)
+    first = checkpoint.load(cfg.checkpoint_dir, model, optimizer, cfg) if cfg.resume else 0
+    for _ in range(first * cfg.num_gradient_accumulation_steps):
+        next(data)  # where the saved run's loader was
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.num_gradient_accumulation_steps * world_size
     result = TrainResult()
     run = impl.run_name(cfg.fsdp, cfg.impl)
     with profiling.StepProfiler(
-        active=cfg.profile_steps, skip=cfg.num_steps - cfg.profile_steps, device=device, rank=rank,
+        active=cfg.profile_steps, skip=max(0, cfg.num_steps - first - cfg.profile_steps), device=device, rank=rank,
         traces_dir=cfg.traces_dir or ROOT / "traces" / run, snapshots_dir=cfg.snapshots_dir or ROOT / "snapshots" / run,
     ) as prof:
-        for step in range(1, cfg.num_steps + 1):
+        for step in range(first + 1, cfg.num_steps + 1):
             memory.reset_peak(device)
             start = time.perf_counter()
-            loss, grad_norm = train_step(model, optimizer, data, cfg, device)
+            loss, grad_norm = impl.explain_errors(train_step, model, optimizer, data, cfg, device)
             loss_value, norm_value = loss.item(), grad_norm.item()
             elapsed = time.perf_counter() - start
             result.losses.append(loss_value)
@@ -253,6 +241,8 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
                       f"{result.peak_memory[-1] / 2**20:8.1f} MiB", flush=True)
             if inspect is not None:
                 inspect(model, step)
+            if cfg.checkpoint_dir and (step == cfg.num_steps or cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, cfg)
             prof.step()
     if cfg.profile_steps:
         result.trace_path, result.snapshot_path = prof.trace_path, prof.snapshot_path

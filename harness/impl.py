@@ -67,3 +67,39 @@ def load(impl: str) -> ModuleType:
 
 def fsdp2() -> ModuleType:
     return importlib.import_module("torch.distributed.fsdp")
+
+
+class FeatureError(RuntimeError):
+    """The hand-written FSDP crashed in a way that means it lacks a training feature."""
+
+
+def explain_errors(fn, *args):
+    """Run `fn(*args)`; a crash that means the FSDP under test lacks a feature train.py uses
+    (activation checkpointing, meta-device init) is re-raised saying what is missing and why."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        msg = str(e)
+        if "setStorage" in msg or "out of bounds for storage" in msg:
+            raise FeatureError(
+                "the FSDP freed parameters that backward still uses. With activation checkpointing "
+                "(--activation-checkpoint full, or torch.utils.checkpoint around an FSDP module) backward "
+                "recomputes the block's forward, running its forward hooks again while its TrainingState is "
+                "PRE_BACKWARD: pre_forward must then only make sure the parameters are gathered and post_forward "
+                "must not reshard them (post-backward does), as FSDP2 does. Original error: "
+                + msg.splitlines()[0]) from e
+        if "no longer uses the storage FSDP gathers" in msg:
+            raise FeatureError(
+                "meta-device init (train.py's default) calls model.to_empty() after fully_shard, which gives "
+                "every sharded parameter new storage; the FSDP must follow it (re-point its padded shard at the "
+                "new local tensor, as FSDP2's FSDPModule._apply does) or train with --no-meta-init. Original "
+                "error: " + msg.splitlines()[0]) from e
+        raise
+
+
+def turn_off_prefetch(model, name: str) -> None:
+    """`train.py --no-prefetch`: the hand-written FSDP gathers each group only when it runs."""
+    if not hasattr(model, "set_prefetch"):
+        raise ConfigError(f"--no-prefetch: {impl_path(name)} has no FSDPModule.set_prefetch; "
+                          "copy it (and FSDPGroup.unshard's needed_now) from the current fsdp.py")
+    model.set_prefetch(False)

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 from harness.errors import ConfigError
 
@@ -49,6 +51,62 @@ def build_model(name: str, seq_len: int, seed: int, device: torch.device, vocab_
     torch.manual_seed(seed)
     with torch.device(device):
         model = Transformer(model_args(name, seq_len, vocab_size, **overrides))
-    with torch.no_grad():
-        model.init_weights()
+    if device.type != "meta":  # on meta there is nothing to fill: see materialize
+        # Seeded again here, as materialize does: building on a real device ran the modules' own
+        # default init, which drew from the generator; the meta build drew nothing.
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights()
     return model
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """torchtitan's full activation checkpointing: every block runs under non-reentrant
+    `torch.utils.checkpoint` (its activations are recomputed in backward), applied before
+    fully_shard so that FSDP's hooks sit outside the recompute, as torchtitan orders them."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, block in list(model.layers.named_children()):
+        # preserve_rng_state=False as torchtitan: the Llama has no dropout, nothing random to replay.
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """FSDP2's meta-device recipe, after fully_shard: allocate only this rank's shards
+    (`to_empty`), then run the model's own initialisation on them with the run's seed."""
+    torch.manual_seed(seed)
+    model.to_empty(device=device)
+    with torch.no_grad(), FullTensorInit():
+        model.init_weights(buffer_device=device)
+
+
+class FullTensorInit(TorchFunctionMode):
+    """Random initialisers (nn.init.normal_, trunc_normal_...) called on a DTensor draw the whole
+    tensor, as the full model's initialisation would, and keep this rank's part of it.
+
+    The generator then advances exactly as without sharding, so every shard equals its rows of
+    the full-model init with the same seed, whatever the world size and for both FSDPs. (DTensor's
+    own random ops on a CPU mesh draw each rank's shard from the same generator state: every rank
+    would get the same rows, duplicated neurons.) Costs one full parameter at a time, never the model.
+    """
+
+    RANDOM = {nn.init.normal_, nn.init.trunc_normal_, nn.init.uniform_, torch.Tensor.normal_, torch.Tensor.uniform_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        if func not in self.RANDOM or not isinstance(target, DTensor):
+            return func(*args, **kwargs)
+        local = target.to_local()
+        full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+        func(full, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensor"})
+        if tuple(target.placements) == (Shard(0),):  # both FSDPs: torch.chunk's rows, copied straight in
+            chunks = full.chunk(target.device_mesh.size())
+            rank = target.device_mesh.get_local_rank()
+            if rank < len(chunks):
+                local.copy_(chunks[rank])
+        else:
+            local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
+        return target

@@ -1,0 +1,380 @@
+"""Training features, for FSDP2 and the hand-written FSDP alike: activation checkpointing,
+meta-device initialisation, distributed checkpoints (save, resume, refusals), world size 1,
+tied weights, and the memory-fit refusal. Numbers are compared bit for bit against FSDP2.
+
+The hand-written FSDP is the one under test (`--impl`, the reference by default); the
+reference variants that lack a feature are in solution/tests/test_feature_mutants.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import train
+from harness import assets, checkpoint, checks, fit, model_setup
+from harness.checks import PRECISIONS
+from harness.distributed import current_device
+from harness.errors import ConfigError
+from harness.ranks import RankError, RankPool
+
+
+@pytest.fixture(scope="module")
+def pool1():
+    pool = RankPool(1, device="cpu")
+    yield pool
+    pool.close()
+
+
+def short(impl: str | None, **overrides) -> train.Config:
+    return checks.config(impl, num_steps=3, **overrides)
+
+
+# --------------------------------------------------------------------------- rank-side jobs
+
+
+class Recompute(nn.Module):
+    """torch.utils.checkpoint around an FSDP module's call (the hooks run again in backward),
+    the other order than torchtitan's, which a user may well write."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+    def init_weights(self, *args, **kwargs):  # the Llama's init_weights calls it on every block
+        return self.block.init_weights(*args, **kwargs)
+
+
+def recompute_outside_job(cfg: train.Config):
+    """train_job with every already-wrapped block called under torch.utils.checkpoint."""
+    original = train.apply_fsdp
+
+    def apply_then_checkpoint(model, fsdp, mesh, cfg):
+        model = original(model, fsdp, mesh, cfg)
+        for name, block in list(model.layers.named_children()):
+            model.layers.register_module(name, Recompute(block))
+        return model
+
+    with mock.patch.object(train, "apply_fsdp", apply_then_checkpoint):
+        return checks.train_job(cfg)
+
+
+def init_digests_job(cfg: train.Config, plain_dtensor_init: bool = False) -> dict[str, str]:
+    """Every rank's shard of every parameter right after wrapping (and materialising);
+    plain_dtensor_init: without model_setup.FullTensorInit (DTensor's own random ops)."""
+    seen = {}
+
+    def inspect(model, step):
+        if step == 0:
+            seen.update({n: checks.digest(p) for n, p in model.named_parameters()})
+
+    passthrough = lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))
+    with mock.patch.object(model_setup.FullTensorInit, "__torch_function__", passthrough) if plain_dtensor_init \
+            else mock.MagicMock():
+        train.train(dataclasses.replace(cfg, num_steps=1), inspect=inspect)
+    return seen
+
+
+def loaded_full_digests_job(cfg: train.Config) -> dict[str, str]:
+    """Build and wrap as train.py does, load the latest checkpoint, digest the full parameters."""
+    device = current_device("cpu")
+    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, torch.device("meta"),
+                                     assets.vocab_size())
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    model = train.apply_fsdp(model, train.fsdp_module(cfg), mesh, cfg)
+    model_setup.materialize(model, device, cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    step = checkpoint.load(cfg.checkpoint_dir, model, optimizer, cfg)
+    return {"step": step, **{n: checks.digest(p.full_tensor()) for n, p in model.named_parameters()}}
+
+
+def too_big_job(cfg: train.Config, available: int) -> None:
+    build = model_setup.build_model
+
+    def only_on_meta(name, seq_len, seed, device, vocab_size):
+        if device.type != "meta":
+            raise AssertionError("train.py built the model before checking that it fits")
+        return build(name, seq_len, seed, device, vocab_size)
+
+    with mock.patch.object(fit, "available_bytes", return_value=available), \
+            mock.patch.object(model_setup, "build_model", only_on_meta):
+        train.train(cfg)
+
+
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight (GPT-2's tie), in one group."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 6)       # 7 rows: 4/3 on 2 ranks, 3/3/1 on 3
+        self.hidden = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(self.embed(x))))
+
+
+def tied_job(impl: str | None, split: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Train Tied 3 steps; per step the full parameters and gradients (split: `hidden` wrapped
+    apart from the root, which holds both ends of the tie)."""
+    fsdp = train.fsdp_module(checks.config(impl) if impl else checks.config())
+    torch.manual_seed(0)
+    model = Tied()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    if split:
+        fsdp.fully_shard(model.embed, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    out = []
+    for _ in range(3):
+        x = torch.randint(0, 7, (4, 5), generator=gen)
+        model(x).pow(2).mean().backward()
+        if model.out.weight is not model.embed.weight:  # FSDP2 re-ties at its first forward
+            raise AssertionError("the tie was broken by fully_shard: out.weight is no longer embed.weight")
+        out.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        out[-1].update({n: p.detach().full_tensor() for n, p in model.named_parameters()})
+    return out
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+@pytest.mark.parametrize("param_dtype,reduce_dtype", PRECISIONS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_activation_checkpointing_matches_fsdp2(request, impl, world, param_dtype, reduce_dtype):
+    pool = request.getfixturevalue(f"pool{world}")
+    checks.check_parity(pool, impl, param_dtype, reduce_dtype, num_steps=3, activation_checkpoint="full")
+
+
+@pytest.mark.parametrize("modes", [["bonus1"], ["bonus2"], ["bonus3"], ["bonus1", "bonus2", "bonus3"]],
+                         ids=lambda m: "+".join(m))
+def test_activation_checkpointing_with_bonus_modes(pool2, impl, modes):
+    checks.check_parity(pool2, impl, "bfloat16", "float32", num_steps=3, activation_checkpoint="full",
+                        **checks.mode_flags(modes))
+
+
+def test_activation_checkpointing_changes_nothing_numerically(pool2):
+    """Recomputing gives the same bits as keeping the activations (FSDP2 with and without)."""
+    with_ac = pool2.run(checks.train_job, checks.as_fsdp2(short(None, activation_checkpoint="full")))
+    without = pool2.run(checks.train_job, checks.as_fsdp2(short(None)))
+    assert with_ac[0][0].losses == without[0][0].losses
+    # The names differ (layers.N._checkpoint_wrapped_module...), the shards must not.
+    assert [[list(s.values()) for s in d] for _, d in with_ac] == [[list(s.values()) for s in d] for _, d in without]
+
+
+@pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "float32"), ("none", "none")])
+def test_recompute_around_fsdp_module_matches_fsdp2(pool2, impl, param_dtype, reduce_dtype):
+    """torch.utils.checkpoint around the FSDP module: its hooks run again inside backward."""
+    cfg = short(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ref = checks.run(pool2, recompute_outside_job, checks.as_fsdp2(cfg))
+    got = checks.run(pool2, recompute_outside_job, cfg)
+    what = "checkpoint around each FSDP block, " + checks.describe(cfg, 2)
+    checks.assert_same_numbers(ref[0][0], got[0][0], what)
+    checks.assert_same_parameters([d for _, d in ref], [d for _, d in got], what)
+
+
+# --------------------------------------------------------------------------- meta-device init
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_meta_init_equals_full_init(request, impl, world):
+    """Both FSDPs, built on meta and materialised shard by shard, hold exactly the rows of the
+    full model's init (--no-meta-init), at every world size."""
+    pool = request.getfixturevalue(f"pool{world}")
+    for cfg in (short(None, fsdp="fsdp2"), short(impl)):
+        meta = pool.run(init_digests_job, cfg)
+        full = pool.run(init_digests_job, dataclasses.replace(cfg, meta_init=False))
+        for rank, (a, b) in enumerate(zip(meta, full)):
+            differ = [n for n in a if a[n] != b[n]]
+            assert not differ, f"{cfg.fsdp}, world {world}, rank {rank}: meta init differs from full init in {differ[:3]}"
+
+
+def test_meta_init_keeps_fsdp_none_comparable(pool2):
+    """Same weights and data: FSDP2's first loss equals DDP's (--fsdp none) bit for bit."""
+    fsdp2 = pool2.run(train.train, checks.as_fsdp2(short(None)))[0]
+    ddp = pool2.run(train.train, short(None, fsdp="none"))[0]
+    assert fsdp2.losses[0] == ddp.losses[0], (fsdp2.losses, ddp.losses)
+
+
+def test_meta_init_check_fails_without_full_tensor_init(pool2):
+    """Proof the check above can fail: DTensor's own random init on a CPU mesh draws the same
+    rows on every rank, which is not the full model's init."""
+    cfg = checks.as_fsdp2(short(None))
+    plain = pool2.run(init_digests_job, cfg, True)
+    full = pool2.run(init_digests_job, dataclasses.replace(cfg, meta_init=False))
+    assert plain[0]["layers.0.attention.wq.weight"] != full[0]["layers.0.attention.wq.weight"]
+    assert plain[0]["layers.0.attention.wq.weight"] == plain[1]["layers.0.attention.wq.weight"]  # same rows
+
+
+# --------------------------------------------------------------------------- world size 1
+
+
+@pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "float32"), ("bfloat16", "float32")])
+def test_world_size_1(pool1, impl, param_dtype, reduce_dtype):
+    checks.check_parity(pool1, impl, param_dtype, reduce_dtype, num_steps=3)
+    checks.check_parity(pool1, impl, param_dtype, reduce_dtype, num_steps=3, activation_checkpoint="full")
+
+
+# --------------------------------------------------------------------------- tied weights
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tied_weights_in_one_group_match_fsdp2(request, impl, world):
+    pool = request.getfixturevalue(f"pool{world}")
+    ref = checks.run(pool, tied_job, None)[0]
+    got = checks.run(pool, tied_job, impl)[0]
+    for step, (a, b) in enumerate(zip(ref, got), start=1):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"tied weights, world {world}: {name} differs at step {step}"
+
+
+def test_tied_weights_across_groups_refused(pool2, impl):
+    with pytest.raises(RankError, match="tied weights across groups.*one fully_shard group"):
+        pool2.run(tied_job, impl, True)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _resume(pool, saver: train.Config, resumer: train.Config, directory: Path):
+    """(uninterrupted 6 steps, resumed run's results) with 3 steps saved by `saver`."""
+    whole = checks.run(pool, checks.train_job, dataclasses.replace(resumer, num_steps=6))
+    checks.run(pool, checks.train_job, dataclasses.replace(saver, num_steps=3, checkpoint_dir=directory))
+    resumed = checks.run(pool, checks.train_job, dataclasses.replace(resumer, num_steps=6, checkpoint_dir=directory,
+                                                                      resume=True))
+    return whole, resumed
+
+
+@pytest.mark.parametrize("saved_by,resumed_by", [("fsdp2", "fsdp2"), ("effdl", "effdl"), ("fsdp2", "effdl"),
+                                                 ("effdl", "fsdp2")])
+def test_resume_is_bit_identical(pool2, impl, tmp_path, saved_by, resumed_by):
+    pick = lambda which: short(impl) if which == "effdl" else checks.as_fsdp2(short(impl))
+    whole, resumed = _resume(pool2, pick(saved_by), pick(resumed_by), tmp_path)
+    what = f"saved by {saved_by} after step 3, resumed by {resumed_by}"
+    assert resumed[0][0].losses == whole[0][0].losses[3:], f"{what}: losses {resumed[0][0].losses}, uninterrupted {whole[0][0].losses}"
+    assert resumed[0][0].grad_norms == whole[0][0].grad_norms[3:], what
+    for rank, ((_, w), (_, r)) in enumerate(zip(whole, resumed)):
+        assert r[1:] == w[4:], f"{what}: rank {rank}'s shards differ from the uninterrupted run's"
+
+
+def test_resume_with_bf16_and_activation_checkpointing(pool2, impl, tmp_path):
+    cfg = short(impl, param_dtype="bfloat16", reduce_dtype="float32", activation_checkpoint="full")
+    whole, resumed = _resume(pool2, checks.as_fsdp2(cfg), cfg, tmp_path)
+    assert resumed[0][0].losses == whole[0][0].losses[3:]
+
+
+def test_resume_at_another_world_size(pool2, pool3, impl, tmp_path):
+    """Saved at world size 2, loaded at 2 and at 3: the same full parameters; training goes on."""
+    cfg = short(impl, checkpoint_dir=tmp_path)
+    checks.run(pool2, checks.train_job, cfg)
+    at2 = checks.run(pool2, loaded_full_digests_job, cfg)[0]
+    at3 = checks.run(pool3, loaded_full_digests_job, cfg)[0]
+    assert at2 == at3 and at2["step"] == 3
+    more = checks.run(pool3, checks.train_job, dataclasses.replace(cfg, num_steps=5, resume=True))[0][0]
+    assert len(more.losses) == 2 and all(l == l and l < 20 for l in more.losses), more.losses
+
+
+def test_resume_refuses_another_run_shape(pool2, tmp_path):
+    checks.run(pool2, checks.train_job, checks.as_fsdp2(short(None, checkpoint_dir=tmp_path)))
+    with pytest.raises(RankError, match="--seq-len"):
+        pool2.run(train.train, checks.as_fsdp2(dataclasses.replace(
+            short(None, checkpoint_dir=tmp_path, resume=True, seq_len=32), num_steps=5)))
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(pool2, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("ckpt")
+    checks.run(pool2, checks.train_job, checks.as_fsdp2(checks.config(None, num_steps=2, checkpoint_dir=directory,
+                                                                       checkpoint_every=1)))
+    return directory
+
+
+def test_checkpoints_are_atomic_and_sharded(saved_checkpoint):
+    names = sorted(p.name for p in saved_checkpoint.iterdir())
+    assert names == ["step-000001", "step-000002"], names  # no temporary folder left behind
+    files = sorted(p.name for p in (saved_checkpoint / "step-000002").iterdir())
+    assert ".metadata" in files and "__0_0.distcp" in files and "__1_0.distcp" in files, files
+
+
+def test_interrupted_save_keeps_the_last_good_checkpoint(saved_checkpoint, tmp_path):
+    shutil.copytree(saved_checkpoint, tmp_path / "c")
+    (tmp_path / "c" / ".tmp-step-000003").mkdir()  # a save killed halfway
+    (tmp_path / "c" / ".tmp-step-000003" / "__0_0.distcp").write_bytes(b"partial")
+    assert checkpoint.latest(tmp_path / "c").name == "step-000002"
+
+
+def test_torn_checkpoint_refused(saved_checkpoint, tmp_path):
+    shutil.copytree(saved_checkpoint, tmp_path / "c")
+    (tmp_path / "c" / "step-000002" / ".metadata").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="torn.*delete that folder"):
+        checkpoint.latest(tmp_path / "c")
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "holds no checkpoint"),
+    (b"not a checkpoint", "not a readable DCP checkpoint"),
+])
+def test_foreign_checkpoint_refused(tmp_path, content, message):
+    if content is not None:
+        (tmp_path / "step-000001").mkdir()
+        (tmp_path / "step-000001" / ".metadata").write_bytes(content)
+    else:
+        (tmp_path / "something-else").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.load(tmp_path, None, None, short(None))
+
+
+def test_dcp_checkpoint_of_another_program_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"weights": torch.ones(3)}, checkpoint_id=str(tmp_path / "step-000001"))
+    with pytest.raises(checkpoint.CheckpointError, match="not one train.py wrote"):
+        checkpoint.load(tmp_path, None, None, short(None))
+
+
+def test_resume_needs_a_checkpoint_dir():
+    with pytest.raises(ConfigError, match="--checkpoint-dir"):
+        train.validate(short(None, resume=True))
+    with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
+        checkpoint.latest(Path("/nonexistent/ckpt"))
+
+
+# --------------------------------------------------------------------------- memory fit
+
+
+def test_estimate_of_the_sharded_state_falls_with_world_size():
+    parts = {w: fit.estimate(checks.as_fsdp2(short(None, model="1b")), w, 128256) for w in (1, 2, 4)}
+    key = "parameters, gradients, AdamW state (float32)"
+    assert parts[1][key] == 2 * parts[2][key] == 4 * parts[4][key]
+    assert 1.4e9 * 16 < parts[1][key] < 1.6e9 * 16
+    no_meta = fit.estimate(checks.as_fsdp2(short(None, model="1b", meta_init=False)), 2, 128256)
+    assert no_meta["the full model, built before sharding"] == parts[1][key] // 4
+    ac = fit.estimate(checks.as_fsdp2(short(None, model="1b", activation_checkpoint="full", seq_len=1024)), 2, 128256)
+    assert ac["activations"] < fit.estimate(checks.as_fsdp2(short(None, model="1b", seq_len=1024)), 2, 128256)["activations"]
+
+
+def test_too_big_is_refused_before_building(pool2):
+    cfg = checks.as_fsdp2(short(None, model="1b", seq_len=128, batch_size=1, num_gradient_accumulation_steps=1))
+    with pytest.raises(RankError, match=r"(?s)--model 1b does not fit.*GiB is available.*--no-memory-check"):
+        pool2.run(too_big_job, cfg, 8 * 2**30)
+
+
+def test_small_run_fits():
+    cfg = checks.as_fsdp2(short(None))
+    assert fit.check(cfg, 2, 2, 2048, torch.device("cpu")) is None
+    with mock.patch.object(fit, "available_bytes", return_value=2**20):
+        assert "does not fit" in fit.check(cfg, 2, 2, 2048, torch.device("cpu"))

@@ -1,0 +1,72 @@
+"""The feature checks of harness/tests/test_features.py can fail: run them against the reference
+with its activation-checkpointing, to_empty or tied-weight support taken out. Each mutant's
+snippet must still be in solution/fsdp.py exactly once."""
+
+import pytest
+
+from harness import checks
+from harness.ranks import RankError
+from harness.tests import test_features as features
+from solution import make_skeleton
+
+MUTANTS = {
+    # Recomputed forwards treated as new forwards: post_forward frees parameters backward still uses.
+    "no-recompute-handling": [
+        ("        if self.training_state is TrainingState.PRE_BACKWARD:\n"
+         "            # Activation checkpointing", "        if False:\n            # Activation checkpointing"),
+        ("        if self.training_state is TrainingState.PRE_BACKWARD:\n            return output",
+         "        if False:\n            return output"),
+    ],
+    # No FSDPModule._apply: to_empty() leaves the group gathering from the meta shards.
+    "no-to-empty": [("    def _apply(self, fn: Callable", "    def _apply_unused(self, fn: Callable")],
+    # Tied weights: the second place holding the parameter is not re-pointed at the shard.
+    "no-tie-aliases": [("        params[-1].aliases = aliases\n", "")],
+}
+
+
+@pytest.fixture(scope="module")
+def mutant(tmp_path_factory):
+    source = make_skeleton.SOLUTION.read_text()
+    folder = tmp_path_factory.mktemp("feature_mutants")
+
+    def make(name: str) -> str:
+        text = source
+        for old, new in MUTANTS[name]:
+            assert text.count(old) == 1, f"mutant {name}: its snippet is no longer in solution/fsdp.py once"
+            text = text.replace(old, new)
+        path = folder / f"{name}.py"
+        path.write_text(text)
+        return str(path)
+
+    return make
+
+
+def test_recompute_check_fails_without_recompute_handling(mutant, pool2):
+    """A file that does not recognise a recomputed forward gets the explanation, not a storage crash."""
+    cfg = features.short(mutant("no-recompute-handling"), param_dtype="float32", reduce_dtype="float32")
+    with pytest.raises(RankError, match="(?s)recomputes the block's forward.*PRE_BACKWARD.*setStorage"):
+        checks.run(pool2, features.recompute_outside_job, cfg)
+
+
+def test_torchtitan_order_does_not_need_recompute_handling(mutant, pool2):
+    """Why the recompute-around-the-module test exists: with torchtitan's order (checkpoint inside
+    fully_shard) FSDP's hooks sit outside the recompute, so this mutant still matches FSDP2 there."""
+    checks.check_parity(pool2, mutant("no-recompute-handling"), "float32", "float32", num_steps=2,
+                        activation_checkpoint="full")
+
+
+def test_meta_init_fails_without_to_empty_support(mutant, pool2):
+    cfg = features.short(mutant("no-to-empty"))
+    with pytest.raises(RankError, match="(?s)to_empty\\(\\) after fully_shard.*--no-meta-init"):
+        checks.run(pool2, checks.train_job, cfg)
+    # ... and it is only that: building the full model first, the mutant matches FSDP2.
+    checks.check_parity(pool2, cfg.impl, "float32", "float32", num_steps=2, meta_init=False)
+
+
+def test_tied_weights_check_fails_without_aliases(mutant, pool2):
+    with pytest.raises((RankError, AssertionError), match="tie was broken|differs at step"):
+        ref = checks.run(pool2, features.tied_job, None)[0]
+        got = checks.run(pool2, features.tied_job, mutant("no-tie-aliases"))[0]
+        for step, (a, b) in enumerate(zip(ref, got), start=1):
+            for name in a:
+                assert (a[name] == b[name]).all(), f"{name} differs at step {step}"
