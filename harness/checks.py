@@ -638,7 +638,7 @@ def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[
     got = run(pool, job, cfg)
     for rank, r in enumerate(got):
         if r.fsdp2:
-            raise AssertionError(f"{cfg.impl}: {handwritten.FSDP2_USED} ({r.fsdp2}, rank {rank})")
+            raise AssertionError(f"{cfg.impl}: {handwritten.verdict(r.fsdp2)} [rank {rank}]")
     return ref, got
 
 
@@ -717,4 +717,4 @@ def check_not_fsdp2(pool: RankPool, impl: str) -> None:
                 problem = None  # its forward crashes: the graded tests say where
         _NOT_FSDP2[impl] = problem
     if _NOT_FSDP2[impl]:
-        raise AssertionError(f"{impl}: {handwritten.FSDP2_USED} ({_NOT_FSDP2[impl]})")
+        raise AssertionError(f"{impl}: {handwritten.verdict(_NOT_FSDP2[impl])}")

@@ -23,6 +23,13 @@ from pathlib import Path
 import torch
 
 FSDP2_USED = "uses PyTorch's FSDP2, not your own"
+OUTSIDE = "reaches beyond a hand-written FSDP"
+
+
+def verdict(problem: str) -> str:
+    """The failure message for a problem found by any check here."""
+    fsdp2 = any(w in problem for w in ("fsdp", "FSDP2", "_composable", "_fully_shard"))
+    return f"{FSDP2_USED if fsdp2 else OUTSIDE} ({problem})"
 
 # Source folders of FSDP2 (and FSDP1, which shares the package): code running from here is FSDP2.
 _FSDP_DIRS = tuple(os.path.join(os.path.dirname(torch.__file__), "distributed", d) + os.sep
