@@ -22,6 +22,7 @@ from typing import Callable, Literal
 # The data loader must never try the network: the assets are local.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # no "Generating train split" bars
 
 import torch
 import torch.distributed as dist
