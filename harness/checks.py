@@ -112,21 +112,26 @@ def agree(error: str | None) -> None:
 
 def run(pool: RankPool, fn, *args):
     """pool.run, with a check that failed on the ranks raised here as an AssertionError."""
+    __tracebackhide__ = True  # the student's line is in the ranks' traceback, not here
+    cfg = next((a for a in args if isinstance(a, train.Config)), None)
+    where = f"[{describe(cfg, pool.world_size)}, {cfg.fsdp if cfg.fsdp != 'effdl' else 'hand-written'}] " if cfg else ""
     try:
         return pool.run(fn, *args, timeout=300)
     except RankError as e:
         if "AssertionError: " in str(e) and "hung" not in str(e):
-            raise AssertionError(str(e)) from None
-        raise
+            raise AssertionError(where + str(e)) from None
+        raise type(e)(where + str(e)) from None
 
 
 def run_both(pool: RankPool, cfg_effdl: train.Config, check_shards: bool = False):
     """Per-rank (result, digests) of FSDP2 and of the hand-written FSDP, same config otherwise."""
+    __tracebackhide__ = True
     return run(pool, train_job, as_fsdp2(cfg_effdl), check_shards), run(pool, train_job, cfg_effdl, check_shards)
 
 
 def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: str) -> None:
     """Every rank's shard of every parameter, after wrapping and after every step."""
+    __tracebackhide__ = True
     for rank, (ref_steps, got_steps) in enumerate(zip(ref, got)):
         for step, (a, b) in enumerate(zip(ref_steps, got_steps)):
             for name in a:
@@ -138,6 +143,7 @@ def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: s
 
 
 def assert_same_numbers(ref: train.TrainResult, got: train.TrainResult, what: str) -> None:
+    __tracebackhide__ = True
     for metric in ("losses", "grad_norms"):
         a, b = getattr(ref, metric), getattr(got, metric)
         if len(a) != len(b):
@@ -146,13 +152,14 @@ def assert_same_numbers(ref: train.TrainResult, got: train.TrainResult, what: st
             if x != y:
                 raise AssertionError(
                     f"{what}: {metric[:-1].replace('_', ' ')} differs at step {step}: FSDP2 {x!r}, "
-                    f"hand-written {y!r} (steps before it were equal: {step - 1}). Bitwise equality "
+                    f"hand-written {y!r}, {ulps(x, y)} (steps before it were equal: {step - 1}). Bitwise equality "
                     "needs FSDP2's padding, casts and ReduceOp.AVG inside the reduce-scatter."
                 )
 
 
 def check_parity(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> None:
     """Every step's loss and grad norm equal FSDP2's bit for bit; parameters stay Shard(0) DTensors."""
+    __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
     ref, got = run_both(pool, cfg, check_shards=True)
     what = describe(cfg, pool.world_size)
@@ -207,6 +214,7 @@ def odd_shapes_job(impl: str | None, steps: int = 3) -> dict[str, list[torch.Ten
 
 
 def check_odd_shapes(pool: RankPool, impl: str) -> None:
+    __tracebackhide__ = True
     ref = run(pool, odd_shapes_job, None)[0]
     got = run(pool, odd_shapes_job, impl)[0]
     for name, values in ref.items():
@@ -264,6 +272,7 @@ def residency_job(cfg: train.Config) -> list[str]:
 
 
 def check_residency(pool: RankPool, impl: str, **overrides) -> None:
+    __tracebackhide__ = True
     for which in (None, impl):
         cfg = config(which, **overrides)
         problems = run(pool, residency_job, cfg)[0]
@@ -298,6 +307,7 @@ def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
 
     Each run gets fresh ranks forked from the same preloaded image, so absolute peaks compare
     (in a long-lived process, what earlier jobs left behind shifts them by megabytes)."""
+    __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, exact_cpu_memory=True, **overrides)
     what = describe(cfg, pool.world_size)
     peaks, worst = {}, -float("inf")
@@ -334,6 +344,7 @@ class Profiles:
 
 
 def profile_both(pool: RankPool, impl: str, folder, **overrides) -> Profiles:
+    __tracebackhide__ = True
     cfg = config(impl, num_steps=3, profile_steps=2, **overrides)
     return run_profiled(pool, cfg, folder, describe(cfg, pool.world_size))[0]
 
@@ -341,6 +352,7 @@ def profile_both(pool: RankPool, impl: str, folder, **overrides) -> Profiles:
 def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, check_shards: bool = False):
     """Profiled runs of FSDP2 and the hand-written FSDP (same config otherwise): their analysed
     traces, and per implementation the per-rank (result, digests) of train_job."""
+    __tracebackhide__ = True
     from harness import analysis
 
     results, stats = {}, {}
@@ -353,6 +365,7 @@ def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, che
 
 def assert_same_collectives(p: Profiles, promise: str = "") -> None:
     """The same number of all-gathers and reduce-scatters as FSDP2, phase by phase."""
+    __tracebackhide__ = True
     for kind in ("all_gather", "reduce_scatter"):
         a, b = p.fsdp2.comm.kind(kind).count_by_phase, p.effdl.comm.kind(kind).count_by_phase
         if a != b:
@@ -384,6 +397,7 @@ OVERLAP = {
 
 
 def assert_overlap(p: Profiles, which: str) -> str:
+    __tracebackhide__ = True
     assert_same_collectives(p)
     shown = []
     for kind, phase, fix in OVERLAP[which]:
@@ -437,6 +451,7 @@ def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, re
     """One profiled run each of FSDP2 and the hand-written FSDP in the given bonus modes: the
     collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
     every loss, grad norm and parameter shard equals FSDP2's."""
+    __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, num_steps=3, profile_steps=1,
                  **mode_flags(modes))
     label = " + ".join(MODES[m].name for m in modes)
@@ -596,8 +611,13 @@ def step_job(cfg: train.Config) -> Run:
         digests.append({name: digest(p) for name, p in model.named_parameters()})
         log.step = step + 1
 
-    with log:
-        result = train.train(cfg, inspect=inspect)
+    try:
+        with log:
+            result = train.train(cfg, inspect=inspect)
+    except BaseException as e:
+        e.add_note(f"(in step {log.step} of {cfg.num_steps}, rank {dist.get_rank()})" if log.step else
+                   "(while wrapping the model with fully_shard)")
+        raise
     return Run(result, digests, holder["probes"].problems, log, holder["fsdp2"] or log.fsdp2)
 
 
@@ -634,6 +654,7 @@ def forward_job(cfg: train.Config) -> Run:
 
 def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[Run]]:
     """FSDP2's and the hand-written FSDP's runs of `job`; fails at once if the latter is FSDP2."""
+    __tracebackhide__ = True
     ref = run(pool, job, as_fsdp2(cfg))
     got = run(pool, job, cfg)
     for rank, r in enumerate(got):
@@ -644,6 +665,7 @@ def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[
 
 def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str) -> str:
     """Per phase, the all-gathers and reduce-scatters (dtype and bytes of each) equal FSDP2's."""
+    __tracebackhide__ = True
     def show(sent: dict) -> str:
         return ", ".join(f"{n} x {k.replace('_', '-')} {d} {b:,} B" for (k, d, b), n in sorted(sent.items())) or "nothing"
 
@@ -665,6 +687,7 @@ def check_forward(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str
     """Task 1, forward: the first forward's loss bit-identical to FSDP2's on every rank, parameters
     Shard(0) DTensors before and the blocks' after, each block's gathered parameters freed after
     its forward, and the forward's all-gathers (dtype, bytes) FSDP2's. Returns the evidence."""
+    __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     what = describe(cfg, pool.world_size) + ", first forward"
     ref, got = run_graded(pool, forward_job, cfg)
@@ -687,6 +710,7 @@ def ulps(a: float, b: float) -> str:
 def check_step(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
     """Task 1, step: every loss, grad norm and shard bit-identical to FSDP2's; gathered parameters
     and full gradients freed by the end of each step; every collective's dtype and bytes FSDP2's."""
+    __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
     what = describe(cfg, pool.world_size)
     ref, got = run_graded(pool, step_job, cfg)
@@ -705,6 +729,7 @@ _NOT_FSDP2: dict[str, str | None] = {}
 def check_not_fsdp2(pool: RankPool, impl: str) -> None:
     """The file is not PyTorch's FSDP2: its source (static_problem) and one wrapped forward on the
     ranks (classes, state, hooks, ops, stack). Once per file and process."""
+    __tracebackhide__ = True
     if impl not in _NOT_FSDP2:
         from harness.impl import impl_path
 
