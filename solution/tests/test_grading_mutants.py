@@ -100,7 +100,7 @@ def test_no_free_after_forward_loses_forward(pool2, mutant):
         checks.check_forward(pool2, mutant("no_free_after_forward"), "float32", "float32")
 
 
-@pytest.mark.parametrize("name, message", [("no_free_after_backward", "gathered parameters still alive after step"),
+@pytest.mark.parametrize("name, message", [("no_free_after_backward", "gathered parameters still alive after step|not a DTensor"),
                                            ("keep_full_grads", "full gradients still alive")])
 def test_step_checks_fail(pool2, mutant, name, message):
     path = mutant(name)
