@@ -12,7 +12,6 @@ it returns every step's loss, grad norm, time and peak memory.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from harness import assets, impl, memory, model_setup, profiling
 from harness.distributed import current_device, init_distributed, shutdown_distributed
-from harness.errors import ConfigError
+from harness.errors import ConfigError, stop
 
 ROOT = Path(__file__).resolve().parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
@@ -249,13 +248,11 @@ def main(cfg: Config) -> None:
                   f"{dist.get_world_size()} x {device.type} ({dist.get_backend()})", flush=True)
         train(cfg)
     except (ConfigError, assets.AssetError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
+        stop(str(e), 2 if isinstance(e, ConfigError) else 1)
     except NotImplementedError as e:
         if not str(e).startswith("TODO("):  # a real bug deserves its traceback
             raise
-        print(f"error: {e} (in {impl.impl_path(cfg.impl)})", file=sys.stderr, flush=True)
-        sys.exit(1)
+        stop(f"{e} (in {impl.impl_path(cfg.impl)})")
     finally:
         shutdown_distributed()
 

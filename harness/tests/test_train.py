@@ -422,6 +422,10 @@ def test_skeleton_stops_at_task1_on_the_command_line():
                     "--profile-steps", "0")
     assert proc.returncode != 0, show(proc)
     assert "error: TODO(task1): " in proc.stderr, f"train.main should print the TODO as one line\n{show(proc)}"
+    # torchrun always ends a failed run with its summary; its last words must be the TODO, not a
+    # link to torchrun's docs (the border of '=' around the summary aside).
+    last = [line for line in proc.stderr.splitlines() if line.strip().strip("=")][-1]
+    assert "TODO(task1)" in last, f"the TODO is not the last thing printed: {last!r}\n{show(proc)}"
 
 
 def test_1b_flavour_has_llama_3_2_1b_shapes():
