@@ -35,6 +35,22 @@ def pytest_configure(config):
     for name, what in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
     config._points = {}  # test function -> list of (passed, evidence or first failure line)
+    config._cases = {}  # test function -> every collected case of test.py, selected or not
+
+
+def _collected(config, items) -> None:
+    for item in items:
+        if item.module.__name__ == "test":
+            config._cases.setdefault(getattr(item, "originalname", item.name), set()).add(item.nodeid)
+
+
+def pytest_deselected(items):
+    if items:
+        _collected(items[0].config, items)
+
+
+def pytest_collection_finish(session):
+    _collected(session.config, session.items)
 
 
 def pytest_report_header(config):
@@ -79,14 +95,22 @@ def _first_line(report) -> str:
     return "failed"
 
 
-def points_table(results: dict) -> list[dict]:
+def points_table(results: dict, collected: dict | None = None) -> list[dict]:
+    """One row per handout line. A line earns its points only when every one of its cases ran
+    and passed; one whose cases did not all run (-k, -m, -x, skips) earns None: not graded."""
     rows = []
     for line, points, tests in POINTS:
         cases = {nodeid: r for t in tests for nodeid, r in results.get(t, {}).items()}
+        expected = {nodeid for t in tests for nodeid in (collected or {}).get(t, ())} | set(cases)
         if not cases:
             rows.append(dict(task=line, earned=None, max=points, evidence="not run"))
             continue
         failed = [text for ok, text in cases.values() if not ok]
+        if not failed and len(cases) < len(expected):
+            rows.append(dict(task=line, earned=None, max=points, evidence=(
+                f"not graded: {len(cases)} of its {len(expected)} cases ran (all passed); "
+                "run them all for the points")))
+            continue
         evidence = failed[0] if failed else next((text for ok, text in cases.values() if text), "passed")
         rows.append(dict(task=line, earned=0 if failed else points, max=points,
                          evidence=(f"{len(failed)} of {len(cases)} cases fail: " if failed else
@@ -97,7 +121,7 @@ def points_table(results: dict) -> list[dict]:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not config._points:
         return
-    rows = points_table(config._points)
+    rows = points_table(config._points, config._cases)
     run = [r for r in rows if r["earned"] is not None]
     tw = terminalreporter
     tw.section("points")
@@ -105,7 +129,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         got = "-" if r["earned"] is None else r["earned"]
         tw.write_line(f"{r['task']:<15} {got:>2} / {r['max']}   {r['evidence']}")
     tw.write_line(f"{'total':<15} {sum(r['earned'] for r in run):>2} / {sum(r['max'] for r in run)}"
-                  + ("" if len(run) == len(rows) else f" (of the lines run; all: {sum(r['max'] for r in rows)})"))
+                  + ("" if len(run) == len(rows) else f" (of the lines graded; all: {sum(r['max'] for r in rows)})"))
     if path := config.getoption("--points-json"):
         with open(path, "w") as f:
             json.dump({"impl": config.getoption("--impl"), "rows": rows}, f, indent=1)
