@@ -67,6 +67,37 @@ def train_job(cfg: train.Config, check_shards: bool = False):
     return train.train(cfg, inspect=inspect), digests
 
 
+def shard_job(cfg: train.Config, step: int, name: str) -> torch.Tensor:
+    """Train again (deterministic: same bits) and return this rank's shard of `name` at `step`."""
+    kept = {}
+
+    def inspect(model: nn.Module, at: int) -> None:
+        if at == step:
+            p = dict(model.named_parameters())[name]
+            kept["shard"] = (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
+
+    train.train(dataclasses.replace(cfg, num_steps=max(step, 1), profile_steps=0), inspect=inspect)
+    return kept["shard"]
+
+
+def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How many elements differ, the max abs difference and the max distance in ulps."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"FSDP2's is {a.dtype} {tuple(a.shape)}, the hand-written {b.dtype} {tuple(b.shape)}"
+    differ = a.reshape(-1) != b.reshape(-1)
+    x, y = a.reshape(-1)[differ], b.reshape(-1)[differ]
+    if not x.numel():
+        return "equal when measured again (is the run deterministic?)"
+    text = f"{x.numel()} of {a.numel()} elements differ, max abs {(x.double() - y.double()).abs().max().item():.3g}"
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}.get(a.dtype)
+    if bits is not None:
+        def ordered(t):  # sign-magnitude bit patterns onto a line where neighbouring floats differ by 1
+            i = t.view(bits).long()
+            return torch.where(i < 0, -(i & (2 ** (torch.iinfo(bits).bits - 1) - 1)), i)
+        text += f", max {(ordered(x) - ordered(y)).abs().max().item()} ulps of {str(a.dtype).removeprefix('torch.')}"
+    return text
+
+
 def digest(p: torch.Tensor) -> str:
     local = p.to_local() if isinstance(p, DTensor) else p
     return hashlib.sha256(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
@@ -129,16 +160,26 @@ def run_both(pool: RankPool, cfg_effdl: train.Config, check_shards: bool = False
     return run(pool, train_job, as_fsdp2(cfg_effdl), check_shards), run(pool, train_job, cfg_effdl, check_shards)
 
 
-def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: str) -> None:
-    """Every rank's shard of every parameter, after wrapping and after every step."""
+def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: str,
+                           pool: RankPool | None = None, cfg: train.Config | None = None) -> None:
+    """Every rank's shard of every parameter, after wrapping and after every step. With `pool`
+    and `cfg`, the first difference is measured (both runs again, up to that step)."""
     __tracebackhide__ = True
     for rank, (ref_steps, got_steps) in enumerate(zip(ref, got)):
         for step, (a, b) in enumerate(zip(ref_steps, got_steps)):
             for name in a:
                 if a[name] != b.get(name):
                     when = "after wrapping" if step == 0 else f"after step {step}"
+                    size = ""
+                    if pool is not None and cfg is not None and name in b:
+                        try:
+                            x = run(pool, shard_job, as_fsdp2(cfg), step, name)[rank]
+                            y = run(pool, shard_job, cfg, step, name)[rank]
+                            size = f": {tensor_difference(x, y)}"
+                        except (AssertionError, RankError) as e:
+                            size = f" (could not measure by how much: {str(e).splitlines()[0][:200]})"
                     raise AssertionError(
-                        f"{what}: rank {rank}'s shard of {name} differs from FSDP2's {when} (the "
+                        f"{what}: rank {rank}'s shard of {name} differs from FSDP2's {when}{size} (the "
                         "optimizer saw different gradients, even if losses and grad norms agree)")
 
 
@@ -164,7 +205,7 @@ def check_parity(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
     ref, got = run_both(pool, cfg, check_shards=True)
     what = describe(cfg, pool.world_size)
     assert_same_numbers(ref[0][0], got[0][0], what)
-    assert_same_parameters([d for _, d in ref], [d for _, d in got], what)
+    assert_same_parameters([d for _, d in ref], [d for _, d in got], what, pool, cfg)
 
 
 # ---- odd shapes: padding and empty shards, on a tiny model whose parameters we can compare
@@ -473,7 +514,7 @@ def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, re
     hidden = [assert_overlap(profiles, which) for which in ("forward", "backward")]
     ref, got = results["fsdp2"], results["effdl"]
     assert_same_numbers(ref[0][0], got[0][0], what)
-    assert_same_parameters([d for _, d in ref], [d for _, d in got], what)
+    assert_same_parameters([d for _, d in ref], [d for _, d in got], what, pool, cfg)
     return f"{MODES[modes[-1]].promise}; " + ", ".join(h for h in hidden if h)
 
 
@@ -718,7 +759,7 @@ def check_step(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, *
         if r.problems:
             raise AssertionError(f"{what}: rank {rank}: " + "; ".join(r.problems[:3]))
     assert_same_numbers(ref[0].result, got[0].result, what)
-    assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what)
+    assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, pool, cfg)
     evidence = [assert_same_comm(ref, got, phase, what) for phase in ("forward", "backward")]
     return f"{len(got[0].result.losses)} steps bit-identical; " + "; ".join(evidence)
 

@@ -37,6 +37,10 @@ MUTANTS = {
     "cast_after_gather": [(
         "            flat = torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)\n",
         "            flat = torch.empty(self.world * self.shard_numel, dtype=self.orig_dtype, device=self.device)\n")],
+    # The sharded gradient negated: losses and grad norms as FSDP2's, the parameters not.
+    "negate_sharded_grad": [(
+        "                p.set_sharded_grad(output[start:end])\n",
+        "                p.set_sharded_grad(-output[start:end])\n")],
 }
 # Doors a student might try to reach FSDP2 or the checks; each must be refused by the source check.
 CHEATS = {
@@ -107,6 +111,14 @@ def test_step_checks_fail(pool2, mutant, name, message):
     checks.check_forward(pool2, path, "float32", "float32")  # the forward is fine
     with pytest.raises(AssertionError, match=message):
         checks.check_step(pool2, path, "float32", "float32")
+
+
+def test_shard_difference_is_measured(pool2, mutant):
+    """One step, so only the shards after it tell: the first differing one, and by how much."""
+    with pytest.raises(AssertionError, match=r"shard of \S+ differs from FSDP2's after step 1: \d+ of \d+ elements "
+                                             r"differ, max abs [0-9.e+-]+, max \d+ ulps of float32") as e:
+        checks.check_step(pool2, mutant("negate_sharded_grad"), "float32", "float32", num_steps=1)
+    print(e.value)
 
 
 def test_cast_after_gather_fails_communication(pool2, mutant):
