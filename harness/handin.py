@@ -16,6 +16,7 @@ A run of your FSDP that fails (a TODO, a bug) is reported in SUMMARY.md; the res
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def profile_runs(impl: str, out: Path, runs: list[str], world: int) -> list[str]
             cfg = checks.config(impl, num_steps=3, profile_steps=2, **flags)
             for who, c in (("fsdp2", checks.as_fsdp2(cfg)), ("effdl", cfg)):
                 folder = out / name / who
-                c = checks.dataclasses.replace(c, traces_dir=folder / "traces", snapshots_dir=folder / "snapshots")
+                c = dataclasses.replace(c, traces_dir=folder / "traces", snapshots_dir=folder / "snapshots")
                 print(f"profiling {name} with {'FSDP2' if who == 'fsdp2' else impl}", flush=True)
                 try:
                     pool.run(checks.train_job, c, timeout=600)
