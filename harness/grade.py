@@ -58,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("submissions", type=Path, help="a .py file, or a folder of them")
     parser.add_argument("-o", "--output", type=Path, default=None, help="CSV file (default: stdout)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per submission (default 1200)")
-    parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --, e.g. -- -m task1")
-    args = parser.parse_args(argv)
+    parser.epilog = "Arguments after -- go to pytest, e.g. -- -m task1"
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.pytest_args = argv[cut + 1:]  # argparse would bind them to no positional after another
     if args.submissions.is_dir():
         files = sorted(args.submissions.glob("*.py"))
     elif args.submissions.suffix == ".py" and args.submissions.exists():

@@ -77,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", nargs="+", choices=("tasks", *BONUSES), default=None,
                         help="only these profiled runs (default: tasks and every attempted bonus)")
     parser.add_argument("--no-tests", action="store_true", help="skip pytest (no points table)")
-    parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --, e.g. -- -m task1")
-    args = parser.parse_args(argv)
+    parser.epilog = "Arguments after -- go to pytest, e.g. -- -m task1"
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.pytest_args = argv[cut + 1:]  # argparse would bind them to no positional after another
 
     from harness.errors import ConfigError
     from harness.impl import impl_path
