@@ -1,8 +1,25 @@
-"""Shared pytest set-up: which hand-written FSDP is under test, and the spawned rank pools."""
+"""Shared pytest set-up: which hand-written FSDP is under test, the spawned rank pools, and the
+handout's points table at the end of every run of test.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+
+# The handout's points: (line, points, the test.py functions whose every case must pass).
+POINTS = [
+    ("task 1 forward", 3, ["test_task1_forward"]),
+    ("task 1 step", 3, ["test_task1_step", "test_task1_step_odd_shapes"]),
+    ("task 2", 2, ["test_task2"]),
+    ("task 3", 2, ["test_task3", "test_task3_memory"]),
+    ("bonus 1", 1, ["test_bonus1"]),
+    ("bonus 2", 1, ["test_bonus2"]),
+    ("bonus 3", 1, ["test_bonus3"]),
+]
+MARKERS = {"task1": "task 1 (forward and step)", "task2": "task 2: forward prefetch",
+           "task3": "task 3: backward overlap", "bonus1": "bonus 1: reshard_after_forward=False",
+           "bonus2": "bonus 2: set_reshard_after_backward(False)", "bonus3": "bonus 3: set_requires_gradient_sync(False)"}
 
 
 def pytest_addoption(parser):
@@ -10,6 +27,30 @@ def pytest_addoption(parser):
         "--impl", default="student",
         help="hand-written FSDP under test: student (fsdp.py, the default) or the path of a .py file",
     )
+    parser.addoption("--points-json", default=None, metavar="FILE",
+                     help="also write the points table of test.py as JSON to FILE")
+
+
+def pytest_configure(config):
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+    config._points = {}  # test function -> list of (passed, evidence or first failure line)
+    config._cases = {}  # test function -> every collected case of test.py, selected or not
+
+
+def _collected(config, items) -> None:
+    for item in items:
+        if item.module.__name__ == "test":
+            config._cases.setdefault(getattr(item, "originalname", item.name), set()).add(item.nodeid)
+
+
+def pytest_deselected(items):
+    if items:
+        _collected(items[0].config, items)
+
+
+def pytest_collection_finish(session):
+    _collected(session.config, session.items)
 
 
 def pytest_report_header(config):
@@ -30,6 +71,72 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def impl(request) -> str:
     return request.config.getoption("--impl")
+
+
+@pytest.fixture
+def evidence(request):
+    """evidence(text): one line of what a passing test measured, for the points table."""
+    return lambda text: request.node.user_properties.append(("evidence", text))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if item.module.__name__ == "test" and (report.when == "call" or report.failed):
+        name = getattr(item, "originalname", item.name)
+        ev = next((v for k, v in item.user_properties if k == "evidence"), "")
+        line = ev if report.passed else _first_line(report)
+        item.config._points.setdefault(name, {})[item.nodeid] = (report.passed, line)
+    return report
+
+
+def _first_line(report) -> str:
+    exc = getattr(report.longrepr, "reprcrash", None)
+    text = exc.message if exc is not None else str(report.longrepr)
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip().removeprefix("AssertionError: ")[:160]
+    return "failed"
+
+
+def points_table(results: dict, collected: dict | None = None) -> list[dict]:
+    """One row per handout line. A line earns its points only when every one of its cases ran
+    and passed; one whose cases did not all run (-k, -m, -x, skips) earns None: not graded."""
+    rows = []
+    for line, points, tests in POINTS:
+        cases = {nodeid: r for t in tests for nodeid, r in results.get(t, {}).items()}
+        expected = {nodeid for t in tests for nodeid in (collected or {}).get(t, ())} | set(cases)
+        if not cases:
+            rows.append(dict(task=line, earned=None, max=points, evidence="not run"))
+            continue
+        failed = [text for ok, text in cases.values() if not ok]
+        if not failed and len(cases) < len(expected):
+            rows.append(dict(task=line, earned=None, max=points, evidence=(
+                f"not graded: {len(cases)} of its {len(expected)} cases ran (all passed); "
+                "run them all for the points")))
+            continue
+        evidence = failed[0] if failed else next((text for ok, text in cases.values() if text), "passed")
+        rows.append(dict(task=line, earned=0 if failed else points, max=points,
+                         evidence=(f"{len(failed)} of {len(cases)} cases fail: " if failed else
+                                   f"{len(cases)} cases pass; ") + evidence))
+    return rows
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not config._points:
+        return
+    rows = points_table(config._points, config._cases)
+    run = [r for r in rows if r["earned"] is not None]
+    tw = terminalreporter
+    tw.section("points")
+    for r in rows:
+        got = "-" if r["earned"] is None else r["earned"]
+        tw.write_line(f"{r['task']:<15} {got:>2} / {r['max']}   {r['evidence']}")
+    tw.write_line(f"{'total':<15} {sum(r['earned'] for r in run):>2} / {sum(r['max'] for r in run)}"
+                  + ("" if len(run) == len(rows) else f" (of the lines graded; all: {sum(r['max'] for r in rows)})"))
+    if path := config.getoption("--points-json"):
+        with open(path, "w") as f:
+            json.dump({"impl": config.getoption("--impl"), "rows": rows}, f, indent=1)
 
 
 def _pool(world_size: int):

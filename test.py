@@ -1,68 +1,104 @@
 """What graders run: the hand-written FSDP against PyTorch's FSDP2, on spawned CPU/gloo ranks.
 
-    uv run pytest test.py::test_fsdp                 # task 1
-    uv run pytest test.py                            # everything
+    uv run pytest test.py                            # everything, ending with the points table
+    uv run pytest test.py -m task1                   # one task: task1 task2 task3 bonus1 bonus2 bonus3
+    uv run pytest test.py -k "world3 and bfloat16"   # one world size or precision case
     uv run pytest test.py --impl path/to/fsdp.py     # any other file (default: fsdp.py)
 
-The header names the file under test. Each check says what differs and at which step.
+Each test earns part of one line of the handout's points table (conftest.POINTS); a line's
+points need all its tests to pass. The header names the file under test.
 """
 
 import pytest
 
 from harness import checks
 
+CASES = [pytest.param(w, p, r, id=f"world{w}-{p}-{r}") for w in (2, 3) for p, r in checks.PRECISIONS] + \
+    [pytest.param(2, p, r, id=f"world2-{p}-{r}") for p, r in checks.UNSET_PRECISIONS]
+PRECISIONS = [pytest.param(p, r, id=f"{p}-{r}") for p, r in checks.PRECISIONS]
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp(impl, world, request):
-    """Task 1: every step's loss and grad norm bit-identical to FSDP2 in the 4 precision cases,
-    parameters Shard(0) DTensors after wrapping and between steps, at world sizes 2 and 3
-    (3 pads every shard: 256 rows do not divide by 3); also without mixed precision and with the
-    reduce dtype left unset (world 2); odd shapes incl. empty shards."""
-    pool = request.getfixturevalue(f"pool{world}")
-    for param_dtype, reduce_dtype in checks.PRECISIONS + (checks.UNSET_PRECISIONS if world == 2 else []):
-        checks.check_parity(pool, impl, param_dtype, reduce_dtype)
-    checks.check_odd_shapes(pool, impl)
+
+@pytest.fixture(autouse=True)
+def hand_written(impl, pool2):
+    """Every graded test first checks that the file is not PyTorch's FSDP2 (once per session)."""
+    checks.check_not_fsdp2(pool2, impl)
+
+
+def pool(request, world: int):
+    return request.getfixturevalue(f"pool{world}")
+
+
+@pytest.mark.task1
+@pytest.mark.parametrize("world, param_dtype, reduce_dtype", CASES)
+def test_task1_forward(impl, world, param_dtype, reduce_dtype, request, evidence):
+    """Task 1, forward (3 points): the first forward's loss bit-identical to FSDP2's, parameters
+    Shard(0) DTensors before and after, each block's gathered parameters freed after its forward,
+    FSDP2's all-gathers (dtype and bytes). Needs no backward."""
+    evidence(checks.check_forward(pool(request, world), impl, param_dtype, reduce_dtype))
+
+
+@pytest.mark.task1
+@pytest.mark.parametrize("world, param_dtype, reduce_dtype", CASES)
+def test_task1_step(impl, world, param_dtype, reduce_dtype, request, evidence):
+    """Task 1, step (3 points): every loss, grad norm and parameter shard bit-identical to FSDP2's
+    over 4 steps of 2 micro-steps, gathered parameters and full gradients freed by the end of each
+    step, FSDP2's all-gathers and reduce-scatters (dtype and bytes) in forward and backward."""
+    evidence(checks.check_step(pool(request, world), impl, param_dtype, reduce_dtype))
+
+
+@pytest.mark.task1
+@pytest.mark.parametrize("world", [2, 3], ids=["world2", "world3"])
+def test_task1_step_odd_shapes(impl, world, request):
+    """Task 1, step: rows that do not divide by the world size, and empty shards."""
+    checks.check_odd_shapes(pool(request, world), impl)
 
 
 @pytest.fixture(scope="module")
 def profiles(pool2, impl, tmp_path_factory):
-    """One profiled run each of FSDP2 and the hand-written FSDP, shared by the overlap tests."""
+    """One profiled run each of FSDP2 and the hand-written FSDP, shared by tasks 2 and 3."""
     return checks.profile_both(pool2, impl, tmp_path_factory.mktemp("profiles"))
 
 
-def test_overlap_forward(profiles):
-    """Task 2: all-gathers in forward run while the previous group computes (FSDP2 blocks on CPU)."""
-    checks.assert_overlap(profiles, "forward")
+@pytest.mark.task2
+def test_task2(profiles, evidence):
+    """Task 2 (2 points): forward all-gathers run while compute runs, as many as FSDP2's."""
+    evidence(checks.assert_overlap(profiles, "forward"))
 
 
-def test_overlap_backward(profiles):
-    """Task 3: backward all-gathers are prefetched and reduce-scatters left in flight."""
-    checks.assert_overlap(profiles, "backward")
+@pytest.mark.task3
+def test_task3(profiles, evidence):
+    """Task 3 (2 points): backward all-gathers prefetched and reduce-scatters left in flight."""
+    evidence(checks.assert_overlap(profiles, "backward"))
 
 
-def test_memory(impl, pool2):
-    """Peak memory per step within a small margin of FSDP2's, no growth across steps, and each
-    block's gathered parameters freed after its forward and after backward, in each precision case."""
-    for param_dtype, reduce_dtype in checks.PRECISIONS:
-        checks.check_memory(pool2, impl, param_dtype, reduce_dtype)
-        checks.check_residency(pool2, impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+@pytest.mark.task3
+@pytest.mark.parametrize("param_dtype, reduce_dtype", PRECISIONS)
+def test_task3_memory(impl, pool2, param_dtype, reduce_dtype, evidence):
+    """Task 3: peak memory per step within one reduce-scatter buffer of FSDP2's, no growth."""
+    evidence(checks.check_memory(pool2, impl, param_dtype, reduce_dtype))
     checks.skip_if_peaks_not_compared(pool2)
 
 
-@pytest.mark.parametrize("bonus", ["bonus1", "bonus2", "bonus3"])
-def test_bonus(impl, pool2, bonus, tmp_path):
-    """Each bonus mode in the 4 precision cases: collectives per phase as FSDP2's and as the mode
-    promises, overlap kept, losses/grad norms/shards bit-identical, memory within the margin."""
-    for param_dtype, reduce_dtype in checks.PRECISIONS:
-        checks.check_mode(pool2, impl, [bonus], param_dtype, reduce_dtype, tmp_path / f"{param_dtype}-{reduce_dtype}")
+def _bonus(bonus: str):
+    @pytest.mark.parametrize("param_dtype, reduce_dtype", PRECISIONS)
+    def test(impl, pool2, param_dtype, reduce_dtype, tmp_path, evidence):
+        evidence(checks.check_mode(pool2, impl, [bonus], param_dtype, reduce_dtype, tmp_path))
         checks.check_memory(pool2, impl, param_dtype, reduce_dtype, **checks.MODES[bonus].flags)
-    checks.skip_if_peaks_not_compared(pool2)
+        checks.skip_if_peaks_not_compared(pool2)
+    test.__doc__ = (f"{checks.MODES[bonus].name} (1 point), each precision case: {checks.MODES[bonus].promise}, "
+                    "FSDP2's collectives per phase, overlap kept, bit-identical numbers, memory.")
+    return getattr(pytest.mark, bonus)(test)
 
 
-@pytest.mark.parametrize("bonuses", [["bonus2", "bonus3"], ["bonus1", "bonus2", "bonus3"]])
+test_bonus1, test_bonus2, test_bonus3 = (_bonus(b) for b in ("bonus1", "bonus2", "bonus3"))
+
+
+@pytest.mark.bonus2
+@pytest.mark.bonus3
+@pytest.mark.parametrize("bonuses", [["bonus2", "bonus3"], ["bonus1", "bonus2", "bonus3"]], ids=["2+3", "1+2+3"])
 def test_bonuses_combined(impl, pool2, bonuses, tmp_path):
-    """Bonuses 2 and 3 together, with and without bonus 1: every promise and FSDP2's collectives
-    (float32), and losses, grad norms and shards bit-identical to FSDP2 in every precision case."""
+    """Bonuses together (no points of their own): every promise and FSDP2's collectives (float32),
+    losses, grad norms and shards bit-identical to FSDP2 in the mixed-precision cases."""
     checks.check_mode(pool2, impl, bonuses, "float32", "float32", tmp_path)
     for param_dtype, reduce_dtype in checks.PRECISIONS[1:]:
         checks.check_parity(pool2, impl, param_dtype, reduce_dtype, **checks.mode_flags(bonuses))

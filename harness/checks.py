@@ -67,6 +67,37 @@ def train_job(cfg: train.Config, check_shards: bool = False):
     return train.train(cfg, inspect=inspect), digests
 
 
+def shard_job(cfg: train.Config, step: int, name: str) -> torch.Tensor:
+    """Train again (deterministic: same bits) and return this rank's shard of `name` at `step`."""
+    kept = {}
+
+    def inspect(model: nn.Module, at: int) -> None:
+        if at == step:
+            p = dict(model.named_parameters())[name]
+            kept["shard"] = (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
+
+    train.train(dataclasses.replace(cfg, num_steps=max(step, 1), profile_steps=0), inspect=inspect)
+    return kept["shard"]
+
+
+def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How many elements differ, the max abs difference and the max distance in ulps."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"FSDP2's is {a.dtype} {tuple(a.shape)}, the hand-written {b.dtype} {tuple(b.shape)}"
+    differ = a.reshape(-1) != b.reshape(-1)
+    x, y = a.reshape(-1)[differ], b.reshape(-1)[differ]
+    if not x.numel():
+        return "equal when measured again (is the run deterministic?)"
+    text = f"{x.numel()} of {a.numel()} elements differ, max abs {(x.double() - y.double()).abs().max().item():.3g}"
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}.get(a.dtype)
+    if bits is not None:
+        def ordered(t):  # sign-magnitude bit patterns onto a line where neighbouring floats differ by 1
+            i = t.view(bits).long()
+            return torch.where(i < 0, -(i & (2 ** (torch.iinfo(bits).bits - 1) - 1)), i)
+        text += f", max {(ordered(x) - ordered(y)).abs().max().item()} ulps of {str(a.dtype).removeprefix('torch.')}"
+    return text
+
+
 def digest(p: torch.Tensor) -> str:
     local = p.to_local() if isinstance(p, DTensor) else p
     return hashlib.sha256(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
@@ -112,32 +143,48 @@ def agree(error: str | None) -> None:
 
 def run(pool: RankPool, fn, *args):
     """pool.run, with a check that failed on the ranks raised here as an AssertionError."""
+    __tracebackhide__ = True  # the student's line is in the ranks' traceback, not here
+    cfg = next((a for a in args if isinstance(a, train.Config)), None)
+    where = f"[{describe(cfg, pool.world_size)}, {cfg.fsdp if cfg.fsdp != 'effdl' else 'hand-written'}] " if cfg else ""
     try:
         return pool.run(fn, *args, timeout=300)
     except RankError as e:
         if "AssertionError: " in str(e) and "hung" not in str(e):
-            raise AssertionError(str(e)) from None
-        raise
+            raise AssertionError(where + str(e)) from None
+        raise type(e)(where + str(e)) from None
 
 
 def run_both(pool: RankPool, cfg_effdl: train.Config, check_shards: bool = False):
     """Per-rank (result, digests) of FSDP2 and of the hand-written FSDP, same config otherwise."""
+    __tracebackhide__ = True
     return run(pool, train_job, as_fsdp2(cfg_effdl), check_shards), run(pool, train_job, cfg_effdl, check_shards)
 
 
-def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: str) -> None:
-    """Every rank's shard of every parameter, after wrapping and after every step."""
+def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: str,
+                           pool: RankPool | None = None, cfg: train.Config | None = None) -> None:
+    """Every rank's shard of every parameter, after wrapping and after every step. With `pool`
+    and `cfg`, the first difference is measured (both runs again, up to that step)."""
+    __tracebackhide__ = True
     for rank, (ref_steps, got_steps) in enumerate(zip(ref, got)):
         for step, (a, b) in enumerate(zip(ref_steps, got_steps)):
             for name in a:
                 if a[name] != b.get(name):
                     when = "after wrapping" if step == 0 else f"after step {step}"
+                    size = ""
+                    if pool is not None and cfg is not None and name in b:
+                        try:
+                            x = run(pool, shard_job, as_fsdp2(cfg), step, name)[rank]
+                            y = run(pool, shard_job, cfg, step, name)[rank]
+                            size = f": {tensor_difference(x, y)}"
+                        except (AssertionError, RankError) as e:
+                            size = f" (could not measure by how much: {str(e).splitlines()[0][:200]})"
                     raise AssertionError(
-                        f"{what}: rank {rank}'s shard of {name} differs from FSDP2's {when} (the "
+                        f"{what}: rank {rank}'s shard of {name} differs from FSDP2's {when}{size} (the "
                         "optimizer saw different gradients, even if losses and grad norms agree)")
 
 
 def assert_same_numbers(ref: train.TrainResult, got: train.TrainResult, what: str) -> None:
+    __tracebackhide__ = True
     for metric, label in (("losses", "loss"), ("grad_norms", "grad norm")):
         a, b = getattr(ref, metric), getattr(got, metric)
         if len(a) != len(b):
@@ -146,18 +193,19 @@ def assert_same_numbers(ref: train.TrainResult, got: train.TrainResult, what: st
             if x != y:
                 raise AssertionError(
                     f"{what}: {label} differs at step {step}: FSDP2 {x!r}, "
-                    f"hand-written {y!r} (steps before it were equal: {step - 1}). Bitwise equality "
+                    f"hand-written {y!r}, {ulps(x, y)} (steps before it were equal: {step - 1}). Bitwise equality "
                     "needs FSDP2's padding, casts and ReduceOp.AVG inside the reduce-scatter."
                 )
 
 
 def check_parity(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> None:
     """Every step's loss and grad norm equal FSDP2's bit for bit; parameters stay Shard(0) DTensors."""
+    __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
     ref, got = run_both(pool, cfg, check_shards=True)
     what = describe(cfg, pool.world_size)
     assert_same_numbers(ref[0][0], got[0][0], what)
-    assert_same_parameters([d for _, d in ref], [d for _, d in got], what)
+    assert_same_parameters([d for _, d in ref], [d for _, d in got], what, pool, cfg)
 
 
 # ---- odd shapes: padding and empty shards, on a tiny model whose parameters we can compare
@@ -207,6 +255,7 @@ def odd_shapes_job(impl: str | None, steps: int = 3) -> dict[str, list[torch.Ten
 
 
 def check_odd_shapes(pool: RankPool, impl: str) -> None:
+    __tracebackhide__ = True
     ref = run(pool, odd_shapes_job, None)[0]
     got = run(pool, odd_shapes_job, impl)[0]
     for name, values in ref.items():
@@ -264,6 +313,7 @@ def residency_job(cfg: train.Config) -> list[str]:
 
 
 def check_residency(pool: RankPool, impl: str, **overrides) -> None:
+    __tracebackhide__ = True
     for which in (None, impl):
         cfg = config(which, **overrides)
         problems = run(pool, residency_job, cfg)[0]
@@ -306,16 +356,17 @@ def skip_if_peaks_not_compared(pool: RankPool) -> None:
         pytest.skip(f"all else passed; peak memory per step not compared: {why}")
 
 
-def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> None:
+def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
     """Peak memory per step within one reduce-scatter buffer of FSDP2's, and no growth.
 
     Each run gets fresh ranks forked from the same preloaded image, so absolute peaks compare
     (in a long-lived process, what earlier jobs left behind shifts them by megabytes)."""
-    if peaks_not_compared(pool):
-        return  # the test says so at its end: skip_if_peaks_not_compared
+    __tracebackhide__ = True
+    if why := peaks_not_compared(pool):
+        return f"peaks not compared: {why}"  # the test says so at its end: skip_if_peaks_not_compared
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, exact_cpu_memory=True, **overrides)
     what = describe(cfg, pool.world_size)
-    peaks = {}
+    peaks, worst = {}, -float("inf")
     for name, c in (("FSDP2", as_fsdp2(cfg)), ("hand-written", cfg)):
         with RankPool(pool.world_size, device=pool.device) as fresh:
             peaks[name] = run(fresh, memory_job, c)
@@ -326,12 +377,14 @@ def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
                                  f"step {len(got)} ({', '.join(mib(x) for x in got)}): something leaks every step")
         margin = block_bytes + JITTER
         steady_ref, steady = max(ref[1:]), max(got[1:])  # step 1 also pays one-time allocations
+        worst = max(worst, steady - steady_ref)
         if steady > steady_ref + margin:
             raise AssertionError(
                 f"{what}: rank {rank}'s peak memory per step is {mib(steady)}, FSDP2's {mib(steady_ref)} "
                 f"(+{mib(steady - steady_ref)}, allowed {mib(margin)}: one block's reduce-scatter buffer "
                 "and jitter): something is kept longer than FSDP2 keeps it (gathered parameters, "
                 "gradients, communication buffers)")
+    return f"peak {worst / 2**20:+.1f} MiB over FSDP2 (allowed +{(block_bytes + JITTER) / 2**20:.1f})"
 
 
 # ---- overlap, from the profiler traces
@@ -347,6 +400,7 @@ class Profiles:
 
 
 def profile_both(pool: RankPool, impl: str, folder, **overrides) -> Profiles:
+    __tracebackhide__ = True
     cfg = config(impl, num_steps=3, profile_steps=2, **overrides)
     return run_profiled(pool, cfg, folder, describe(cfg, pool.world_size))[0]
 
@@ -354,6 +408,7 @@ def profile_both(pool: RankPool, impl: str, folder, **overrides) -> Profiles:
 def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, check_shards: bool = False):
     """Profiled runs of FSDP2 and the hand-written FSDP (same config otherwise): their analysed
     traces, and per implementation the per-rank (result, digests) of train_job."""
+    __tracebackhide__ = True
     from harness import analysis
 
     results, stats = {}, {}
@@ -366,6 +421,7 @@ def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, che
 
 def assert_same_collectives(p: Profiles, promise: str = "") -> None:
     """The same number of all-gathers and reduce-scatters as FSDP2, phase by phase."""
+    __tracebackhide__ = True
     for kind in ("all_gather", "reduce_scatter"):
         a, b = p.fsdp2.comm.kind(kind).count_by_phase, p.effdl.comm.kind(kind).count_by_phase
         if a != b:
@@ -396,8 +452,10 @@ OVERLAP = {
 }
 
 
-def assert_overlap(p: Profiles, which: str) -> None:
+def assert_overlap(p: Profiles, which: str) -> str:
+    __tracebackhide__ = True
     assert_same_collectives(p)
+    shown = []
     for kind, phase, fix in OVERLAP[which]:
         if not p.effdl.comm.kind(kind).by_phase[phase].count:
             continue  # a mode without such collectives (no all-gather in backward, say)
@@ -408,6 +466,8 @@ def assert_overlap(p: Profiles, which: str) -> None:
                 f"{p.what}: {kind.replace('_', '-')}s in {phase}: only {got:.0%} of their time ran while "
                 f"compute ran (needs {HIDDEN_THRESHOLD:.0%}; FSDP2 on CPU: {ref:.0%}, it blocks). They are "
                 f"not overlapped: {fix}.")
+        shown.append(f"{phase} {kind.replace('_', '-')}s {got:.0%} hidden")
+    return ", ".join(shown)
 
 
 # ---- the bonuses: FSDP2's gradient-accumulation and resharding controls
@@ -443,10 +503,11 @@ MODES = {
 }
 
 
-def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder) -> None:
+def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder) -> str:
     """One profiled run each of FSDP2 and the hand-written FSDP in the given bonus modes: the
     collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
     every loss, grad norm and parameter shard equals FSDP2's."""
+    __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, num_steps=3, profile_steps=1,
                  **mode_flags(modes))
     label = " + ".join(MODES[m].name for m in modes)
@@ -465,8 +526,276 @@ def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, re
                     f"{shown['all_gather']}, reduce-scatters {shown['reduce_scatter']} ({groups} groups, "
                     f"{cfg.num_gradient_accumulation_steps} micro-steps)")
     assert_same_collectives(profiles, f" (in {label})")
-    for which in ("forward", "backward"):
-        assert_overlap(profiles, which)
+    hidden = [assert_overlap(profiles, which) for which in ("forward", "backward")]
     ref, got = results["fsdp2"], results["effdl"]
     assert_same_numbers(ref[0][0], got[0][0], what)
-    assert_same_parameters([d for _, d in ref], [d for _, d in got], what)
+    assert_same_parameters([d for _, d in ref], [d for _, d in got], what, pool, cfg)
+    return f"{MODES[modes[-1]].promise}; " + ", ".join(h for h in hidden if h)
+
+
+# ---- grading: communication observed, FSDP2 not used, forward alone
+
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from harness import handwritten  # noqa: E402
+
+# Collective ops as the dispatcher sees them (eager c10d and functional), by kind; the input
+# tensor is what each rank puts on the wire.
+_COLLECTIVES = {
+    "_allgather_base_": ("all_gather", 1), "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "all_gather_into_tensor": ("all_gather", 0), "all_gather_into_tensor_coalesced": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+}
+
+
+class CommLog(TorchDispatchMode):
+    """Every all-gather and reduce-scatter a rank issues: (step, phase, kind, dtype, bytes), and
+    whether FSDP2 issued it (its ops or its source on the stack)."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0  # set by the job: 0 is wrapping, then the optimizer step under way
+        self.events: list[tuple[int, str, str, str, int]] = []
+        self.fsdp2: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func.__name__.split(".")[0]
+        if ns == "fsdp" and self.fsdp2 is None:
+            self.fsdp2 = f"it runs FSDP2's op fsdp::{name}"
+        if ns in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
+            kind, index = _COLLECTIVES[name]
+            tensors = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            for t in tensors:
+                self.events.append((self.step, phase, kind, str(t.dtype).removeprefix("torch."),
+                                    t.numel() * t.element_size()))
+            if self.fsdp2 is None:
+                self.fsdp2 = handwritten.stack_problem()
+        return func(*args, **kwargs)
+
+    def sent(self, phase: str) -> dict:
+        """{(kind, dtype, bytes): count} of one phase, over all steps after wrapping."""
+        out: dict = {}
+        for step, ph, kind, dtype, nbytes in self.events:
+            if step > 0 and ph == phase:
+                out[(kind, dtype, nbytes)] = out.get((kind, dtype, nbytes), 0) + 1
+        return out
+
+
+def fsdp2_problem(model: nn.Module, cfg: train.Config) -> str | None:
+    if cfg.fsdp != "effdl":
+        return None
+    return handwritten.module_problem(train.fsdp_module(cfg)) or handwritten.model_problem(model)
+
+
+class Probes:
+    """Hooks on every block: its gathered (non-DTensor) parameters must be freed after its
+    forward (when it reshards after forward) and, with their full gradients, by the end of
+    each step. Freed means dropped, or storage resized to zero (tensors autograd still holds)."""
+
+    def __init__(self, model: nn.Module, reshard_after_forward: bool):
+        self.problems: list[str] = []
+        self.gathered: dict[str, list[weakref.ref]] = {}
+        self.grads: dict[str, list[weakref.ref]] = {}
+        self._hooked: set[int] = set()
+        for name, block in model.layers.named_children():
+            self._probe(f"layers.{name}", block, reshard_after_forward)
+
+    @staticmethod
+    def alive(refs: list[weakref.ref]) -> int:
+        return sum(t.untyped_storage().nbytes() for r in refs if (t := r()) is not None)
+
+    def _probe(self, name: str, block: nn.Module, reshard_after_forward: bool) -> None:
+        # Registered after fully_shard: the pre-hook runs after FSDP's (prepended) pre-forward,
+        # the post-hook after FSDP's post-forward.
+        def pre(module, args):
+            full = [p for p in module.parameters() if not isinstance(p, DTensor)]
+            self.gathered[name] = [weakref.ref(p) for p in full]
+            for p in full:
+                if p.requires_grad and id(p) not in self._hooked:
+                    self._hooked.add(id(p))
+                    p.register_hook(lambda g, n=name: self.grads.setdefault(n, []).append(weakref.ref(g)) or g)
+
+        def post(module, args, output):
+            if reshard_after_forward and (n := self.alive(self.gathered.get(name, []))):
+                self.problems.append(f"{name}: {n / 2**20:.2f} MiB of gathered parameters still alive after its "
+                                     "forward (reshard_after_forward=True: free them in post-forward)")
+
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+
+    def after_step(self, step: int) -> None:
+        if not self.gathered:
+            self.problems.append(f"step {step}: no block computed with full (non-DTensor) parameters")
+        for name, refs in self.gathered.items():
+            if n := self.alive(refs):
+                self.problems.append(f"{name}: {n / 2**20:.2f} MiB of gathered parameters still alive after "
+                                     f"step {step} (free them after backward)")
+            kept = sum(g.untyped_storage().nbytes() for r in refs if (p := r()) is not None and (g := p.grad) is not None)
+            kept += self.alive(self.grads.pop(name, []))
+            if kept:
+                self.problems.append(f"{name}: {kept / 2**20:.2f} MiB of full gradients still alive after step "
+                                     f"{step} (free them once they are laid out for the reduce-scatter)")
+
+
+@dataclasses.dataclass
+class Run:
+    """What one rank saw of one run: numbers, shard digests, memory problems, collectives."""
+
+    result: "train.TrainResult | None"
+    digests: list[dict[str, str]]
+    problems: list[str]
+    comm: CommLog
+    fsdp2: str | None
+    forward_loss: float | None = None
+
+
+def step_job(cfg: train.Config) -> Run:
+    """Train under a CommLog with Probes; shards checked and digested after wrapping and every step."""
+    log, digests, holder = CommLog(), [], {}
+
+    def inspect(model: nn.Module, step: int) -> None:
+        if step == 0:
+            holder["fsdp2"] = fsdp2_problem(model, cfg)
+            holder["probes"] = Probes(model, cfg.reshard_after_forward)
+        else:
+            holder["probes"].after_step(step)
+        assert_sharded(model, step)
+        digests.append({name: digest(p) for name, p in model.named_parameters()})
+        log.step = step + 1
+
+    try:
+        with log:
+            result = train.train(cfg, inspect=inspect)
+    except BaseException as e:
+        e.add_note(f"(in step {log.step} of {cfg.num_steps}, rank {dist.get_rank()})" if log.step else
+                   "(while wrapping the model with fully_shard)")
+        raise
+    return Run(result, digests, holder["probes"].problems, log, holder["fsdp2"] or log.fsdp2)
+
+
+def forward_job(cfg: train.Config) -> Run:
+    """Wrap as train.py does and run the first micro-step's forward only (no backward)."""
+    import torch.nn.functional as F
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = current_device(cfg.device)
+    if rank == 0:
+        assets.ensure(train.ROOT, log=lambda msg: None)
+    dist.barrier()
+    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, device, assets.vocab_size(train.ROOT))
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+    model = train.apply_fsdp(model, train.fsdp_module(cfg), mesh, cfg)
+    assert_sharded(model, 0)
+    problem = fsdp2_problem(model, cfg)
+    probes = Probes(model, cfg.reshard_after_forward)
+    data = train.build_data(cfg, rank, world)
+    inputs, labels = next(data)
+    log = CommLog()
+    log.step = 1
+    with log:
+        logits = model(inputs["input"].to(device))
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(0, 1)) / cfg.num_gradient_accumulation_steps
+    when = "after the first forward"
+    for name, p in model.layers.named_parameters():
+        if not isinstance(p, DTensor):
+            probes.problems.append(f"{when}: layers.{name} is a {type(p).__name__}, not its sharded DTensor "
+                                   "(a block that reshards after forward puts its sharded parameters back)")
+            break
+    return Run(None, [], probes.problems, log, problem or log.fsdp2, forward_loss=loss.item())
+
+
+def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[Run]]:
+    """FSDP2's and the hand-written FSDP's runs of `job`; fails at once if the latter is FSDP2."""
+    __tracebackhide__ = True
+    ref = run(pool, job, as_fsdp2(cfg))
+    got = run(pool, job, cfg)
+    for rank, r in enumerate(got):
+        if r.fsdp2:
+            raise AssertionError(f"{cfg.impl}: {handwritten.verdict(r.fsdp2)} [rank {rank}]")
+    return ref, got
+
+
+def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str) -> str:
+    """Per phase, the all-gathers and reduce-scatters (dtype and bytes of each) equal FSDP2's."""
+    __tracebackhide__ = True
+    def show(sent: dict) -> str:
+        return ", ".join(f"{n} x {k.replace('_', '-')} {d} {b:,} B" for (k, d, b), n in sorted(sent.items())) or "nothing"
+
+    for rank, (a, b) in enumerate(zip(ref, got)):
+        sa, sb = a.comm.sent(phase), b.comm.sent(phase)
+        if sa != sb:
+            wrong_dtype = {d for _, d, _ in sb} - {d for _, d, _ in sa}
+            hint = (f" The wire carries {', '.join(sorted(wrong_dtype))} where FSDP2 sends "
+                    f"{', '.join(sorted({d for _, d, _ in sa}))}: cast before the all-gather (H6) and reduce "
+                    "in the reduce dtype (H8)." if wrong_dtype else
+                    " One collective per group and phase, each the group's padded shards (H1, H5).")
+            raise AssertionError(f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's: the hand-written "
+                                 f"FSDP sent {show(sb)}; FSDP2 sent {show(sa)}.{hint}")
+    total = sum(n * nbytes for (_, _, nbytes), n in ref[0].comm.sent(phase).items())
+    return f"{phase}: {sum(ref[0].comm.sent(phase).values())} collectives, {total / 2**20:.1f} MiB as FSDP2"
+
+
+def check_forward(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str) -> str:
+    """Task 1, forward: the first forward's loss bit-identical to FSDP2's on every rank, parameters
+    Shard(0) DTensors before and the blocks' after, each block's gathered parameters freed after
+    its forward, and the forward's all-gathers (dtype, bytes) FSDP2's. Returns the evidence."""
+    __tracebackhide__ = True
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    what = describe(cfg, pool.world_size) + ", first forward"
+    ref, got = run_graded(pool, forward_job, cfg)
+    for rank, (a, b) in enumerate(zip(ref, got)):
+        if b.problems:
+            raise AssertionError(f"{what}: rank {rank}: " + "; ".join(b.problems[:3]))
+        if a.forward_loss != b.forward_loss:
+            raise AssertionError(f"{what}: rank {rank}'s loss is {b.forward_loss!r}, FSDP2's {a.forward_loss!r} "
+                                 f"({ulps(a.forward_loss, b.forward_loss)}): the gathered parameters differ "
+                                 "from FSDP2's (rows, padding, casts: H1, H6)")
+    return assert_same_comm(ref, got, "forward", what)
+
+
+def ulps(a: float, b: float) -> str:
+    """How far apart two float32 values are, in units in the last place."""
+    x, y = torch.tensor([a, b], dtype=torch.float32).view(torch.int32).tolist()
+    return f"{abs(x - y)} ulp{'s' if abs(x - y) != 1 else ''} of float32 apart"
+
+
+def check_step(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
+    """Task 1, step: every loss, grad norm and shard bit-identical to FSDP2's; gathered parameters
+    and full gradients freed by the end of each step; every collective's dtype and bytes FSDP2's."""
+    __tracebackhide__ = True
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
+    what = describe(cfg, pool.world_size)
+    ref, got = run_graded(pool, step_job, cfg)
+    for rank, r in enumerate(got):
+        if r.problems:
+            raise AssertionError(f"{what}: rank {rank}: " + "; ".join(r.problems[:3]))
+    assert_same_numbers(ref[0].result, got[0].result, what)
+    assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, pool, cfg)
+    evidence = [assert_same_comm(ref, got, phase, what) for phase in ("forward", "backward")]
+    return f"{len(got[0].result.losses)} steps bit-identical; " + "; ".join(evidence)
+
+
+_NOT_FSDP2: dict[str, str | None] = {}
+
+
+def check_not_fsdp2(pool: RankPool, impl: str) -> None:
+    """The file is not PyTorch's FSDP2: its source (static_problem) and one wrapped forward on the
+    ranks (classes, state, hooks, ops, stack). Once per file and process."""
+    __tracebackhide__ = True
+    if impl not in _NOT_FSDP2:
+        from harness.impl import impl_path
+
+        problem = handwritten.static_problem(impl_path(impl))
+        if problem is None:
+            cfg = config(impl)
+            try:
+                problem = next((r.fsdp2 for r in run(pool, forward_job, cfg) if r.fsdp2), None)
+            except RankError:
+                problem = None  # its forward crashes: the graded tests say where
+        _NOT_FSDP2[impl] = problem
+    if _NOT_FSDP2[impl]:
+        raise AssertionError(f"{impl}: {handwritten.verdict(_NOT_FSDP2[impl])}")

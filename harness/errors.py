@@ -3,3 +3,27 @@
 
 class ConfigError(ValueError):
     """A flag combination that cannot run; the message says which and how to fix it."""
+
+
+def stop(message: str, exit_code: int = 1) -> None:
+    """Print `message` as one `error:` line and exit with `exit_code`, leaving no traceback.
+
+    Under torchrun every rank reaches here alike; only rank 0 prints. torchrun always ends a
+    failed run with its own summary (it cannot be turned off short of exiting 0, which would
+    lie to scripts), so the message is also written to the error file torchrun reads
+    (TORCHELASTIC_ERROR_FILE): the summary's "Root Cause" then ends with this message instead
+    of a link to torchrun's docs.
+    """
+    import json
+    import os
+    import sys
+    import time
+
+    line = f"error: {message}"
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(exit_code)

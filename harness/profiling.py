@@ -60,8 +60,10 @@ downloads from GitHub on first use.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -79,6 +81,37 @@ _PICKLE_PROTOCOL = 4
 CPU_SNAPSHOT_NOTE = ("CPU snapshot built from the profiler's allocator events: allocations only. Frees done "
                      "on gloo's threads are not recorded, so its peak is not the process's; for peak memory "
                      "use peak RSS with --exact-cpu-memory (train.py) or harness.report's timeline.")
+_cpu_profiler_quiet = False
+
+
+def _quiet_cpu_profiler() -> None:
+    """Silence the two lines a CPU profile prints on every run, both expected and harmless:
+
+    - kineto's "gpuGetDeviceCount failed" (an ERROR) when torch has CUDA support but the machine
+      no GPU: kineto asks for GPU properties while exporting a CPU-only trace. KINETO_LOG_LEVEL
+      is read when profiling starts; 5 is above kineto's ERROR (4). Only without a GPU, where
+      kineto has no device to report on; a value the user set wins.
+    - c10's "Memory block of unknown size was allocated before the profiling started" (see the
+      module docstring): c10 logs it once per process, so a throwaway profile with stderr
+      closed frees one such block and spends that once, before the real profile starts.
+    """
+    global _cpu_profiler_quiet
+    if _cpu_profiler_quiet:
+        return
+    _cpu_profiler_quiet = True
+    if not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    block = torch.empty(16)
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True):
+            del block
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 class StepProfiler:
@@ -137,6 +170,8 @@ class StepProfiler:
             # A single cycle, so nothing accumulates; it only silences a per-cycle warning.
             acc_events=True,
         )
+        if not self._cuda:
+            _quiet_cpu_profiler()
         self._prof.__enter__()
         if self.skip == 0:
             self._start_cuda_memory_history()

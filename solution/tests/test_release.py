@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     shutil.copy(ROOT / "solution" / "fsdp.py", student_repo / "fsdp.py")
     graded = run([*pytest_cmd, "test.py"], student_repo, timeout=900)
     assert graded.returncode == 0, show(graded)
+    assert re.search(r"^total +13 / 13$", graded.stdout, re.M), f"the points table should give 13 of 13\n{show(graded)}"
 
 
 def test_release_refuses_a_folder_that_is_not_empty(tmp_path):

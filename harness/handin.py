@@ -1,0 +1,123 @@
+"""Hand-in: everything the handout asks students to attach, written into one folder.
+
+    uv run python -m harness.handin                      # fsdp.py, into handin/
+    uv run python -m harness.handin --impl my_fsdp.py --out handin/
+
+It writes
+  points.json, test-output.txt   the points table of `pytest test.py` (and its whole output);
+  <run>/<fsdp2|effdl>/traces/rank{r}.json, snapshots/rank{r}.pickle
+                                 a profiled run of FSDP2 and of your FSDP: `tasks` (tasks 1-3,
+                                 train.py's defaults) and each bonus you attempted (its test
+                                 passed, or its TODO(bonusN) comment is gone from your file);
+  SUMMARY.md                     what is there, and every run that failed, with its error.
+A run of your FSDP that fails (a TODO, a bug) is reported in SUMMARY.md; the rest still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BONUSES = ("bonus1", "bonus2", "bonus3")
+
+
+def run_tests(impl: str, out: Path, pytest_args: list[str]) -> dict | None:
+    """`pytest test.py --impl IMPL --points-json`; the points rows, or None if it wrote none."""
+    points = out / "points.json"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(ROOT / "test.py"), "--impl", impl,
+           "--points-json", str(points), *pytest_args]
+    print(f"running {' '.join(cmd[2:])} (a few minutes)", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (out / "test-output.txt").write_text(proc.stdout)
+    return json.loads(points.read_text()) if points.exists() else None
+
+
+def attempted_bonuses(impl_file: Path, points: dict | None) -> list[str]:
+    """A bonus is attempted when its points were earned or its TODO comment is gone."""
+    earned = {r["task"].replace(" ", ""): r["earned"] for r in (points or {}).get("rows", [])}
+    source = impl_file.read_text()
+    return [b for b in BONUSES if earned.get(b) or f"TODO({b})" not in source]
+
+
+def profile_runs(impl: str, out: Path, runs: list[str], world: int) -> list[str]:
+    """Profiled runs of FSDP2 and of the hand-written FSDP; the failures, one line each."""
+    from harness import checks
+    from harness.ranks import RankError, RankPool
+
+    failures = []
+    with RankPool(world) as pool:
+        for name in runs:
+            flags = {} if name == "tasks" else checks.MODES[name].flags
+            cfg = checks.config(impl, num_steps=3, profile_steps=2, **flags)
+            for who, c in (("fsdp2", checks.as_fsdp2(cfg)), ("effdl", cfg)):
+                folder = out / name / who
+                c = dataclasses.replace(c, traces_dir=folder / "traces", snapshots_dir=folder / "snapshots")
+                print(f"profiling {name} with {'FSDP2' if who == 'fsdp2' else impl}", flush=True)
+                try:
+                    pool.run(checks.train_job, c, timeout=600)
+                except RankError as e:
+                    lines = [line for line in str(e).splitlines() if line.strip()]
+                    error = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "?")
+                    failures.append(f"{name}, {who}: {error.strip()[:300]}")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", default="student", help="student (fsdp.py, the default) or a .py file")
+    parser.add_argument("--out", type=Path, default=ROOT / "handin", help="folder to write (default handin/)")
+    parser.add_argument("--world", type=int, default=2, help="ranks of the profiled runs (default 2)")
+    parser.add_argument("--runs", nargs="+", choices=("tasks", *BONUSES), default=None,
+                        help="only these profiled runs (default: tasks and every attempted bonus)")
+    parser.add_argument("--no-tests", action="store_true", help="skip pytest (no points table)")
+    parser.epilog = "Arguments after -- go to pytest, e.g. -- -m task1"
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.pytest_args = argv[cut + 1:]  # argparse would bind them to no positional after another
+
+    from harness.errors import ConfigError
+    from harness.impl import impl_path
+
+    try:
+        impl_file = impl_path(args.impl)
+    except ConfigError as e:  # it says what is wrong with the name and how to fix it
+        parser.error(str(e))
+    impl = "student" if args.impl == "student" else str(impl_file.resolve())
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    points = None if args.no_tests else run_tests(impl, out, args.pytest_args)
+    bonuses = attempted_bonuses(impl_file, points)
+    runs = args.runs or ["tasks", *bonuses]
+    failures = profile_runs(impl, out, runs, args.world)
+
+    lines = [f"# Hand-in of {impl_file}", ""]
+    if points is None:
+        lines += ["No points table: " + ("--no-tests." if args.no_tests else "pytest wrote none (see test-output.txt)."), ""]
+    else:
+        lines += ["| task | points | evidence |", "|---|---|---|"]
+        lines += [f"| {r['task']} | {'-' if r['earned'] is None else r['earned']} / {r['max']} | {r['evidence']} |"
+                  for r in points["rows"]]
+        graded = [r for r in points["rows"] if r["earned"] is not None]
+        lines += [f"| total | {sum(r['earned'] for r in graded)} / {sum(r['max'] for r in graded)} | |", ""]
+    lines += [f"Bonuses attempted: {', '.join(bonuses) or 'none'}.", "",
+              "Profiled runs (traces/rank{r}.json for Perfetto, snapshots/rank{r}.pickle for "
+              "`python -m torch.cuda._memory_viz trace_plot`):", ""]
+    lines += [f"- {name}/fsdp2 and {name}/effdl" for name in runs]
+    if failures:
+        lines += ["", "Runs that failed:", ""] + [f"- {f}" for f in failures]
+    (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out} ({len(failures)} failed run(s); see {out / 'SUMMARY.md'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

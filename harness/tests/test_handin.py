@@ -1,0 +1,28 @@
+"""harness.handin: one command writes the points table and the profiled runs into one folder."""
+
+from pathlib import Path
+
+import pytest
+
+from harness import handin
+
+ROOT = Path(__file__).resolve().parents[2]
+SKELETON_UNDONE = "NotImplementedError(\"TODO(task1)" in (ROOT / "fsdp.py").read_text()
+
+
+@pytest.mark.skipif(not SKELETON_UNDONE, reason="fsdp.py has task 1 done")
+def test_handin_reports_a_failing_run_and_attempted_bonuses(tmp_path):
+    """The skeleton: its run stops at TODO(task1), said in SUMMARY.md; FSDP2's run is still there."""
+    out = tmp_path / "handin"
+    assert handin.main(["--impl", "fsdp.py", "--out", str(out), "--no-tests"]) == 0
+    summary = (out / "SUMMARY.md").read_text()
+    assert "Bonuses attempted: none." in summary, summary
+    assert "tasks, effdl: NotImplementedError: TODO(task1)" in summary, summary
+    assert (out / "tasks" / "fsdp2" / "traces" / "rank0.json").is_file()
+
+
+def test_attempted_bonuses(tmp_path):
+    f = tmp_path / "f.py"
+    f.write_text("# TODO(bonus1)\n# TODO(bonus2)\n")
+    assert handin.attempted_bonuses(f, None) == ["bonus3"]
+    assert handin.attempted_bonuses(f, {"rows": [{"task": "bonus 1", "earned": 1}]}) == ["bonus1", "bonus3"]

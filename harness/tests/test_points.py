@@ -1,0 +1,56 @@
+"""The points table: a line earns its points only when every one of its cases ran and passed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Stand-ins for test.py's functions, instant: two cases of task 1 forward, one of task 2 fails.
+FAKE_TEST = '''
+import pytest
+
+@pytest.mark.parametrize("case", ["world2", "world3"])
+def test_task1_forward(case):
+    pass
+
+def test_task2():
+    assert False, "forward all-gathers 0 % hidden"
+
+def test_bonus1():
+    pass
+'''
+
+
+def table(tmp_path: Path, *args: str) -> dict:
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test.py").write_text(FAKE_TEST)
+    out = tmp_path / "points.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test.py",
+                           "--points-json", str(out), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.is_file(), proc.stdout + proc.stderr
+    return {r["task"]: r for r in json.loads(out.read_text())["rows"]}, proc.stdout
+
+
+@pytest.mark.parametrize("args, forward", [((), 3), (("-k", "world2 or task2"), None)])
+def test_partial_selection_earns_nothing(tmp_path, args, forward):
+    rows, stdout = table(tmp_path, *args)
+    assert rows["task 1 forward"]["earned"] == forward, (rows, stdout)
+    assert rows["task 2"]["earned"] == 0, rows  # a failure costs the line, selection or not
+    if forward is None:
+        assert "not graded: 1 of its 2 cases ran" in rows["task 1 forward"]["evidence"], rows
+        assert "task 1 forward   - / 3   not graded" in stdout, stdout
+
+
+def test_stop_before_a_line_leaves_it_ungraded(tmp_path):
+    rows, stdout = table(tmp_path, "-x", "-k", "task2 or bonus1")
+    assert rows["task 2"]["earned"] == 0 and rows["bonus 1"]["earned"] is None, rows
+    assert "total            0 / 2 (of the lines graded; all: 13)" in stdout, stdout
