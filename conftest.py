@@ -34,6 +34,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     for name, what in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
+    config.addinivalue_line("markers", "cuda: needs CUDA GPUs (NCCL); skipped with the reason where too few")
     config._points = {}  # test function -> list of (passed, evidence or first failure line)
     config._cases = {}  # test function -> every collected case of test.py, selected or not
 
@@ -62,10 +63,6 @@ def pytest_report_header(config):
     except ConfigError as e:
         raise pytest.UsageError(str(e)) from None
     return f"hand-written FSDP under test: {path}"
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs CUDA GPUs (NCCL); skipped with the reason where too few")
 
 
 @pytest.fixture(scope="session")

@@ -149,7 +149,7 @@ class FSDPParam:
         sharded parameter new storage. Pad it into a new `padded_shard` and point the parameter back at
         that buffer's front rows, so the all-gather sends what the optimizer updates (FSDP2 does the same)."""
         # Module._apply converts a parameter in place where it can and otherwise registers a new one.
-        param = getattr(self.module, self.name)
+        param = self.module._parameters[self.name]
         local = param.detach().to_local()
         if local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr() \
                 and local.device == self.padded_shard.device:
