@@ -326,15 +326,36 @@ def check_residency(pool: RankPool, impl: str, **overrides) -> None:
             raise AssertionError(f"{describe(cfg, pool.world_size)}, {who}: " + "; ".join(problems[:5]))
 
 
-def memory_job(cfg: train.Config) -> tuple[list[int], int]:
-    """This rank's peak memory per step, and the bytes of one block's reduce-scatter input."""
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct CPU storage that a Python-visible tensor holds (parameters, DTensors'
+    local tensors, optimizer state, anything a list or attribute keeps): exact, whatever the
+    allocator or the threads did. A leak of tensors that Python keeps shows here to the byte."""
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # isinstance would query proxies for __class__
+            continue
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if t.device.type != "cpu" or type(t) not in (torch.Tensor, nn.Parameter):
+            continue
+        s = t.untyped_storage()
+        storages[s.data_ptr(), s.nbytes()] = s.nbytes()
+    return sum(storages.values())
+
+
+def memory_job(cfg: train.Config) -> tuple[list[int], int, list[int]]:
+    """This rank's peak memory per step, the bytes of one block's reduce-scatter input, and the
+    bytes of live tensors at the end of each step."""
     from torchtitan.models.llama3.model.model import TransformerBlock
 
     with torch.device("meta"):
         block = TransformerBlock(0, model_setup.model_args(cfg.model, cfg.seq_len, assets.vocab_size()))
     dtype = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
     block_bytes = sum(p.numel() for p in block.parameters()) * dtype.itemsize
-    return train.train(cfg).peak_memory, block_bytes
+    live = []
+    inspect = lambda model, step: step and live.append(live_tensor_bytes())
+    return train.train(cfg, inspect=inspect).peak_memory, block_bytes, live
 
 
 # Peak memory is the peak resident set per step, with --exact-cpu-memory so that it follows every free. The
@@ -344,7 +365,10 @@ def memory_job(cfg: train.Config) -> tuple[list[int], int]:
 # in float32 at world 2 for the debug model. Measured for the reference (4 precision cases, twice):
 # at most +2.9 MiB over FSDP2; peaks of one configuration vary by up to 1.9 MiB between runs.
 JITTER = 2 * 2**20
-GROWTH_MARGIN = 3 * 2**20  # a leak of >= 1.5 MiB per step shows over the 2 steps compared
+# Leaks are found exactly by the bytes of live tensors at the end of each step (equal from step 1
+# on for FSDP2 and the reference). Peak RSS also sees what Python cannot (buffers kept by C++ or
+# gloo), but varies between steps by a few MiB under load (3.1 MiB seen), so only larger growth counts.
+GROWTH_MARGIN = 12 * 2**20  # a leak of >= 6 MiB per step shows over the 2 steps compared
 
 
 def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
@@ -360,7 +384,11 @@ def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
         with RankPool(pool.world_size, device=pool.device) as fresh:
             peaks[name] = run(fresh, memory_job, c)
     mib = lambda n: f"{n / 2**20:.2f} MiB"
-    for rank, ((ref, block_bytes), (got, _)) in enumerate(zip(peaks["FSDP2"], peaks["hand-written"])):
+    for rank, ((ref, block_bytes, _), (got, _, live)) in enumerate(zip(peaks["FSDP2"], peaks["hand-written"])):
+        if any(n != live[1] for n in live[1:]):  # step 1 may still create state (the optimizer's)
+            raise AssertionError(f"{what}: rank {rank} holds {', '.join(mib(n) for n in live)} of tensors at the end of "
+                                 f"steps 1 to {len(live)} (each distinct storage a Python-visible tensor holds): "
+                                 "something leaks every step (a list or attribute that keeps tensors)")
         if (growth := got[-1] - got[1]) > GROWTH_MARGIN:
             raise AssertionError(f"{what}: rank {rank}'s peak memory grows by {mib(growth)} from step 2 to "
                                  f"step {len(got)} ({', '.join(mib(x) for x in got)}): something leaks every step")

@@ -48,9 +48,9 @@ MUTANTS = {
     ),
     # Keeping every all-gather buffer: memory grows step after step.
     "leak-gather-buffers": (
-        "        columns = flat.view(self.world, self.shard_numel)\n",
-        "        self.__dict__.setdefault('leaked', []).append(flat)\n"
-        "        columns = flat.view(self.world, self.shard_numel)\n",
+        "            self.pending_gather = PendingGather(work, flat)\n",
+        "            self.__dict__.setdefault('leaked', []).append(flat)\n"
+        "            self.pending_gather = PendingGather(work, flat)\n",
     ),
     # Never resharding after backward: full parameters are left in the model between steps.
     "no-reshard-after-backward": (
