@@ -50,6 +50,16 @@ hidden = |union(collective intervals) & union(compute intervals)|; fraction = hi
   * CUDA: compute is every non-NCCL kernel, so an NCCL kernel is hidden while another stream
     computes.
 
+Schedule (what the graded overlap checks use)
+--------
+`schedule` places each FSDP group's all-gather and reduce-scatter in the issuing thread's order:
+issued by the c10d op inside `FSDP::all_gather (G)` / `FSDP::post_backward_reduce (G)`, waited
+for at the next `FSDP::all_gather_copy_out (G)` / `FSDP::reduce_scatter_wait (G)` (the reference's
+PendingReduce.finish; `reduce_scatter_done` when it had already finished), or at once when a
+`Work.wait` range (`marked_waits`) follows the op inside its group range, or its own wait comes in
+the same FSDP hook. It is overlapped when aten compute outside `FSDP::` ranges ran in between.
+Unlike hidden time, this depends only on the program, never on how threads were scheduled.
+
 Memory
 ------
 `profiling.memory_timeline` (bytes allocated since recording started) read against the phase
