@@ -38,8 +38,8 @@ MUTANTS = {
     ],
     # Never resharding after forward: every block's full parameters stay until backward.
     "no-reshard-after-forward": (
-        "            if self.group.reshard_after_forward:\n                self.group.reshard()\n",
-        "            pass\n",
+        "                if self.group.reshard_after_forward:\n                    self.group.reshard()\n",
+        "                pass\n",
     ),
     # Bonus 3 accumulating in the compute dtype (bf16) instead of FSDP2's reduce-dtype copy.
     "accumulate-in-compute-dtype": (
@@ -54,8 +54,8 @@ MUTANTS = {
     ),
     # Never resharding after backward: full parameters are left in the model between steps.
     "no-reshard-after-backward": (
-        "        if group.reshard_after_backward:\n            group.reshard()\n",
-        "        if False:\n            group.reshard()\n",
+        "            if group.reshard_after_backward:\n                group.reshard()\n",
+        "            if False:\n                group.reshard()\n",
     ),
     # Forward prefetch waited for at once: issued early, but nothing computes while it runs.
     "wait-prefetch-at-once": (
