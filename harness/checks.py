@@ -481,6 +481,12 @@ def assert_overlap(p: Profiles, which: str) -> str:
         done, could, missed = p.effdl.overlap(kind, phase)
         ref_done, ref_could, _ = p.fsdp2.overlap(kind, phase)
         name = f"{kind.replace('_', '-')}s in {phase}"
+        issued = sum(s.kind(kind).by_phase[phase].count for s in p.effdl.steps)
+        if (placed := sum((s.kind, s.phase) == (kind, phase) for s in p.effdl.scheduled)) < issued:
+            raise AssertionError(
+                f"{p.what}: {name}: {issued - placed:g} of {issued:g} were issued outside a group's "
+                f"`FSDP::{'all_gather' if kind == 'all_gather' else 'post_backward_reduce'} (name)` range, so "
+                "where they are waited for cannot be told: issue them in FSDPGroup.unshard / reduce_scatter.")
         if missed:
             s = missed[0]
             where = (f"rank {s.rank}, step {s.step}: {s.group}'s was waited for before any other group computed"
