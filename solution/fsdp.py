@@ -299,7 +299,10 @@ class PendingReduce:
 
     def finish(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            # The range shows the overlap check where the main thread waited, and whether it had to.
+            label = "reduce_scatter_done" if self.work.is_completed() else "reduce_scatter_wait"
+            with record_function(self.group.label(label)):
+                self.work.wait()
         self.group.finish_reduce(self)
 
 

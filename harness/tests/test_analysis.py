@@ -220,3 +220,47 @@ def test_cli(tmp_path, capsys):
     assert rows["all-gather hidden"] == ["38%", "38%"]
     assert rows["reduce-scatters, backward"] == ["1", "1"]
     assert rows["growth per step (MiB)"] == ["+0.00", "+0.00"]
+
+
+def schedule_trace(wait_at_once: bool = False, blocking_issue: bool = False, reduce_done_at_once: bool = False):
+    """Forward: root, layers.0, layers.1, each all-gather prefetched by the group before (the
+    root's, first of the pass, cannot be); backward: two reduce-scatters, each finished in the next
+    group's hook after its compute (the last one's cannot be). Variants wait at once."""
+    a = lambda name, ts, dur: x(name, ts, dur, cat="user_annotation")
+    ag = lambda ts: x("c10d::_allgather_base_", ts, 2, **{"Input Dims": [[8], [4]]})
+    rs = lambda ts: x("c10d::_reduce_scatter_base_", ts, 2, **{"Input Dims": [[4], [8]]})
+    return {"traceEvents": [
+        *step_and_phases(),
+        a("FSDP::pre_forward", 20, 20), a("FSDP::all_gather", 21, 4), ag(22), a("FSDP::all_gather_copy_out", 26, 2),
+        a("FSDP::all_gather (layers.0)", 30, 4), ag(31),
+        x("aten::embedding", 50, 5),
+        a("FSDP::pre_forward (layers.0)", 60, 20), a("FSDP::all_gather_copy_out (layers.0)", 61, 2),
+        x("aten::copy_", 62, 1),  # inside an FSDP range: not compute
+        a("FSDP::all_gather (layers.1)", 65, 5), ag(66),
+        *([a("Work.wait (blocking)", 68, 1)] if blocking_issue else []),
+        *([a("FSDP::all_gather_copy_out (layers.1)", 72, 2)] if wait_at_once else []),
+        x("aten::mm", 90, 5),
+        *([] if wait_at_once else [a("FSDP::all_gather_copy_out (layers.1)", 101, 2)]),
+        a("FSDP::post_backward (layers.1)", 400, 20), a("FSDP::post_backward_reduce (layers.1)", 405, 10), rs(406),
+        *([a("FSDP::reduce_scatter_done (layers.1)", 416, 1)] if reduce_done_at_once else []),
+        x("aten::mm", 430, 5),
+        a("FSDP::post_backward (layers.0)", 440, 30),
+        *([] if reduce_done_at_once else [a("FSDP::reduce_scatter_wait (layers.1)", 441, 4)]),
+        a("FSDP::post_backward_reduce (layers.0)", 446, 4), rs(447),
+        a("FSDP::reduce_scatter_wait (layers.0)", 452, 4),
+    ]}
+
+
+def overlapped(trace: dict, kind: str, phase: str) -> list[str]:
+    return [s.group for s in analysis.must_overlap([s for s in analysis.schedule(trace) if (s.kind, s.phase) == (kind, phase)])
+            if s.overlapped]
+
+
+def test_schedule():
+    """Overlap by order: compute between issue and wait, the pass's first all-gather and last
+    reduce-scatter exempt; waiting in the issuing hook or inside the issue range is no overlap."""
+    assert overlapped(schedule_trace(), "all_gather", "forward") == ["layers.0", "layers.1"]
+    assert overlapped(schedule_trace(), "reduce_scatter", "backward") == ["layers.1"]
+    assert overlapped(schedule_trace(wait_at_once=True), "all_gather", "forward") == ["layers.0"]
+    assert overlapped(schedule_trace(blocking_issue=True), "all_gather", "forward") == ["layers.0"]
+    assert overlapped(schedule_trace(reduce_done_at_once=True), "reduce_scatter", "backward") == []

@@ -57,6 +57,16 @@ MUTANTS = {
         "            if group.reshard_after_backward:\n                group.reshard()\n",
         "            if False:\n                group.reshard()\n",
     ),
+    # Forward prefetch waited for at once: issued early, but nothing computes while it runs.
+    "wait-prefetch-at-once": (
+        "                order[i + 1].unshard()\n",
+        "                order[i + 1].unshard()\n                order[i + 1].wait_for_unshard()\n",
+    ),
+    # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
+    "blocking-all-gather": (
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=False)\n",
+    ),
 }
 
 
@@ -135,6 +145,20 @@ def test_overlap_check_fails_without_the_task(pool2, tmp_path, strip, fails, pas
     variant = tmp_path / f"without_{'_'.join(sorted(strip))}.py"
     variant.write_text(make_skeleton.render(SOLUTION.read_text(), strip=strip))
     profiles = checks.profile_both(pool2, str(variant), tmp_path / "profiles")
+    for which in fails:
+        with pytest.raises(AssertionError, match="not overlapped"):
+            checks.assert_overlap(profiles, which)
+    for which in passes:
+        checks.assert_overlap(profiles, which)
+
+
+@pytest.mark.parametrize("name, fails, passes", [
+    ("wait-prefetch-at-once", ["forward"], ["backward"]),
+    ("blocking-all-gather", ["forward", "backward"], []),
+])
+def test_overlap_check_fails_when_waiting_at_once(mutant, pool2, tmp_path, name, fails, passes):
+    """Overlap is judged by where the main thread waits: issuing early and waiting at once fails."""
+    profiles = checks.profile_both(pool2, mutant(name), tmp_path / "profiles")
     for which in fails:
         with pytest.raises(AssertionError, match="not overlapped"):
             checks.assert_overlap(profiles, which)
