@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
@@ -80,6 +81,27 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     model.to_empty(device=device)
     with torch.no_grad(), FullTensorInit():
         model.init_weights(buffer_device=device)
+    check_row_layout(model)
+
+
+def check_row_layout(model: nn.Module) -> None:
+    """Every rank's Shard(0) parameters hold torch.chunk's rows (what FullTensorInit fills), checked
+    on all ranks at once so that each names the same problem instead of some ranks going on to hang."""
+    if not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    mine = {name: (tuple(p.shape), tuple(p.to_local().shape)) for name, p in model.named_parameters()
+            if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    for rank, shapes in enumerate(everyone):
+        for name, (full, local) in shapes.items():
+            chunk = -(-full[0] // world)
+            expected = (max(0, min(chunk, full[0] - rank * chunk)), *full[1:])
+            if local != expected:
+                raise AssertionError(
+                    f"after wrapping: rank {rank} holds {local} of {name} {full}; torch.chunk gives it "
+                    f"{expected} (Shard(0) splits rows as torch.chunk does: README, Hints)")
 
 
 class FullTensorInit(TorchFunctionMode):
@@ -105,8 +127,8 @@ class FullTensorInit(TorchFunctionMode):
         if tuple(target.placements) == (Shard(0),):  # both FSDPs: torch.chunk's rows, copied straight in
             chunks = full.chunk(target.device_mesh.size())
             rank = target.device_mesh.get_local_rank()
-            if rank < len(chunks):
-                local.copy_(chunks[rank])
+            if rank < len(chunks) and local.shape == chunks[rank].shape:
+                local.copy_(chunks[rank])  # another row split is named on every rank by check_row_layout
         else:
             local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
         return target

@@ -1,7 +1,7 @@
 """The writeup lab: one command measures what the writeup asks, as markdown tables and PNG plots.
 
     uv run python -m harness.report                          # the hand-written fsdp.py, full report (~5 min, 2 cores)
-    uv run python -m harness.report --impl solution --quick  # the reference, small model, about a minute
+    uv run python -m harness.report --quick                  # small model, about a minute
     uv run python -m harness.report --impl path/to/fsdp.py --out my-report
 
 Writes DIR/report.md (every table, every figure with the command that reproduces it),
@@ -52,7 +52,7 @@ class Args:
     5 minutes on an idle 2-core machine. Exits 1 when a check on the measured facts fails."""
 
     impl: str = "student"
-    """the FSDP under test: student (fsdp.py), solution (the reference) or the path of a .py file."""
+    """the FSDP under test: student (fsdp.py) or the path of a .py file."""
     quick: bool = False
     """a 2-block dim-128 model, one run of each, 3 message sizes: about a minute on 2 cores (the test
     runs it). Default, the full report: debugmodel, 3 repeats, 4 KiB..32 MiB, about 5 minutes."""
@@ -420,8 +420,6 @@ def main(args: Args) -> int:
 
     plan = QUICK if args.quick else FULL
     flags = ["--impl", args.impl] + (["--quick"] if args.quick else [])
-    if args.impl == "solution":  # the reference, where this checkout has it
-        args = dataclasses.replace(args, impl=str(ROOT / "solution" / "fsdp.py"))
     path = impl.impl_path(args.impl)
     device = args.device
     if device == "auto":
@@ -766,7 +764,7 @@ def cli(args: Args) -> int:
         if not todo:
             raise
         print(f"error: {todo[-1].split(': ', 1)[1]} (in {impl.impl_path(args.impl)}): the report needs a file that "
-              "trains (task 1 done); try --impl solution where this checkout has it", file=sys.stderr)
+              "trains (task 1 done)", file=sys.stderr)
         return 1
 
 

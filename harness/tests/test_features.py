@@ -2,8 +2,7 @@
 meta-device initialisation, distributed checkpoints (save, resume, refusals), world size 1,
 tied weights, and the memory-fit refusal. Numbers are compared bit for bit against FSDP2.
 
-The hand-written FSDP is the one under test (`--impl`, the reference by default); the
-reference variants that lack a feature are in solution/tests/test_feature_mutants.py.
+The hand-written FSDP is the one under test (`--impl`).
 """
 
 from __future__ import annotations
