@@ -22,6 +22,7 @@ from harness import assets, checkpoint, checks, fit, model_setup
 from harness.checks import PRECISIONS
 from harness.distributed import current_device
 from harness.errors import ConfigError
+from harness.impl import impl_path
 from harness.ranks import RankError, RankPool
 
 
@@ -30,6 +31,15 @@ def pool1():
     pool = RankPool(1, device="cpu")
     yield pool
     pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_working_fsdp(request):
+    """Tests of the hand-written FSDP against FSDP2 need one that trains: not the skeleton's TODOs."""
+    if "impl" in request.fixturenames:
+        path = impl_path(request.getfixturevalue("impl"))
+        if 'NotImplementedError("TODO(task1)' in path.read_text():
+            pytest.skip(f"{path} has task 1 to do; this compares a working FSDP with FSDP2")
 
 
 def short(impl: str | None, **overrides) -> train.Config:
