@@ -7,7 +7,7 @@ import pytest
 from harness import checks
 from harness.ranks import RankError
 from harness.tests import test_features as features
-from solution import make_skeleton
+from solution.tests.mutation import write_mutant
 
 MUTANTS = {
     # Recomputed forwards treated as new forwards: post_forward frees parameters backward still uses.
@@ -26,17 +26,10 @@ MUTANTS = {
 
 @pytest.fixture(scope="module")
 def mutant(tmp_path_factory):
-    source = make_skeleton.SOLUTION.read_text()
     folder = tmp_path_factory.mktemp("feature_mutants")
 
     def make(name: str) -> str:
-        text = source
-        for old, new in MUTANTS[name]:
-            assert text.count(old) == 1, f"mutant {name}: its snippet is no longer in solution/fsdp.py once"
-            text = text.replace(old, new)
-        path = folder / f"{name}.py"
-        path.write_text(text)
-        return str(path)
+        return write_mutant(folder, name, MUTANTS[name])
 
     return make
 

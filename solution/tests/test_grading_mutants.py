@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import checks, handwritten
+from solution.tests.mutation import write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solution" / "fsdp.py"
@@ -63,19 +64,13 @@ CHEATS = {
 
 @pytest.fixture(scope="module")
 def mutant(tmp_path_factory):
-    source = SOLUTION.read_text()
     folder = tmp_path_factory.mktemp("grading_mutants")
 
     def make(name: str) -> str:
-        if name in CHEATS:
-            text = CHEATS[name]
-        else:
-            text = source
-            for old, new in MUTANTS[name]:
-                assert text.count(old) == 1, f"mutant {name}: its snippet is no longer in solution/fsdp.py once"
-                text = text.replace(old, new)
+        if name not in CHEATS:
+            return write_mutant(folder, name, MUTANTS[name])
         path = folder / f"{name}.py"
-        path.write_text(text)
+        path.write_text(CHEATS[name])
         return str(path)
 
     return make

@@ -10,6 +10,7 @@ import pytest
 
 from harness import checks
 from solution import make_skeleton
+from solution.tests.mutation import write_mutant
 
 SOLUTION = make_skeleton.SOLUTION
 
@@ -72,18 +73,10 @@ MUTANTS = {
 
 @pytest.fixture(scope="module")
 def mutant(tmp_path_factory):
-    source = SOLUTION.read_text()
     folder = tmp_path_factory.mktemp("mutants")
 
     def make(name: str) -> str:
-        changes = MUTANTS[name] if isinstance(MUTANTS[name], list) else [MUTANTS[name]]
-        text = source
-        for old, new in changes:
-            assert text.count(old) == 1, f"mutant {name}: its snippet is no longer in solution/fsdp.py once"
-            text = text.replace(old, new)
-        path = folder / f"{name}.py"
-        path.write_text(text)
-        return str(path)
+        return write_mutant(folder, name, MUTANTS[name] if isinstance(MUTANTS[name], list) else [MUTANTS[name]])
 
     return make
 
