@@ -37,6 +37,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs CUDA GPUs (NCCL); skipped with the reason where too few")
     config._points = {}  # test function -> list of (passed, evidence or first failure line)
     config._cases = {}  # test function -> every collected case of test.py, selected or not
+    if not config.option.collectonly:
+        from harness.ranks import start_forkserver
+
+        start_forkserver()  # loads torch and the model while pytest collects
 
 
 def _collected(config, items) -> None:

@@ -77,6 +77,8 @@ class Config:
     """with accumulation: reduce-scatter after every micro-step (False: accumulate unsharded, reduce once)."""
     profile_steps: int = 2
     """profile the last N steps (trace + memory snapshot); 0 turns profiling off."""
+    profile_memory: bool = True
+    """with profiling: record allocations in the trace and write the memory snapshot (False: the trace alone, faster)."""
     traces_dir: Path | None = None
     """default: traces/<run>: fsdp2, none, effdl (fsdp.py) or effdl-<path> (another --impl)."""
     snapshots_dir: Path | None = None
@@ -224,6 +226,7 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     with profiling.StepProfiler(
         active=cfg.profile_steps, skip=max(0, cfg.num_steps - first - cfg.profile_steps), device=device, rank=rank,
         traces_dir=cfg.traces_dir or ROOT / "traces" / run, snapshots_dir=cfg.snapshots_dir or ROOT / "snapshots" / run,
+        memory=cfg.profile_memory,
     ) as prof:
         for step in range(first + 1, cfg.num_steps + 1):
             memory.reset_peak(device)

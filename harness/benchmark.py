@@ -103,7 +103,7 @@ def main(args: Args) -> int:
         with tempfile.TemporaryDirectory() as tmp, RankPool(world, device=args.device) as pool:
             for name, cfg in configs.items():
                 traced = dataclasses.replace(cfg, num_steps=3, profile_steps=2, traces_dir=Path(tmp) / name,
-                                             snapshots_dir=Path(tmp) / f"{name}-snapshots")
+                                             profile_memory=False)
                 pool.run(train.train, traced)
                 comm = analysis.analyze_run(traced.traces_dir).comm
                 hidden[name] = (comm.all_gather.hidden_text, comm.reduce_scatter.hidden_text)

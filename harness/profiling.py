@@ -59,6 +59,7 @@ downloads from GitHub on first use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -106,12 +107,23 @@ def _quiet_cpu_profiler() -> None:
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     try:
-        with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True):
+        with _no_cycle_warning(), torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True):
             del block
     finally:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+@contextlib.contextmanager
+def _no_cycle_warning():
+    """torch.profiler warns once per process that each cycle's events are cleared ("set
+    acc_events=True" to keep them). There is one cycle here; acc_events=True would only silence
+    that line, at the price of parsing every event into Python objects when profiling stops
+    (about 1 s for two steps of the debug model), which nothing here reads."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Warning: Profiler clears events at the end of each cycle")
+        yield
 
 
 class StepProfiler:
@@ -120,7 +132,9 @@ class StepProfiler:
 
     Use as a context manager and call `step()` once at the end of every training step. The trace
     and snapshot are written as soon as the last profiled step ends (or on exit if training stops
-    earlier), to `trace_path` and `snapshot_path`.
+    earlier), to `trace_path` and `snapshot_path`. With memory=False the trace has no `[memory]`
+    events and no snapshot is written (`snapshot_path` is None): faster, for what reads only the
+    schedule and the collectives.
     """
 
     def __init__(
@@ -133,6 +147,7 @@ class StepProfiler:
         traces_dir: Path,
         snapshots_dir: Path,
         with_stack: bool = False,
+        memory: bool = True,
     ):
         if active < 0 or skip < 0:
             raise ValueError(f"active and skip must be >= 0, got {active=} {skip=}")
@@ -140,7 +155,8 @@ class StepProfiler:
         self.device = torch.device(device)
         self.with_stack = with_stack
         self.trace_path = Path(traces_dir) / f"rank{rank}.json"
-        self.snapshot_path = Path(snapshots_dir) / f"rank{rank}.pickle"
+        self.memory = memory
+        self.snapshot_path = Path(snapshots_dir) / f"rank{rank}.pickle" if memory else None
         self._cuda = self.device.type == "cuda"
         self._prof: torch.profiler.profile | None = None
         self._steps_done = 0
@@ -165,14 +181,13 @@ class StepProfiler:
             schedule=schedule,
             on_trace_ready=self._write_outputs,
             record_shapes=True,
-            profile_memory=True,
+            profile_memory=self.memory,
             with_stack=self.with_stack,
-            # A single cycle, so nothing accumulates; it only silences a per-cycle warning.
-            acc_events=True,
         )
         if not self._cuda:
             _quiet_cpu_profiler()
-        self._prof.__enter__()
+        with _no_cycle_warning():
+            self._prof.__enter__()
         if self.skip == 0:
             self._start_cuda_memory_history()
         return self
@@ -182,7 +197,8 @@ class StepProfiler:
             return
         self._steps_done += 1
         # Ends the last profiled step and writes the outputs (via _write_outputs) when due.
-        self._prof.step()
+        with _no_cycle_warning():
+            self._prof.step()
         if self._steps_done == self.skip:
             self._start_cuda_memory_history()
         elif self._steps_done == self.skip + self.active:
@@ -202,7 +218,7 @@ class StepProfiler:
             self._stop_cuda_memory_history()
 
     def _start_cuda_memory_history(self) -> None:
-        if not self._cuda:
+        if not (self._cuda and self.memory):
             return
         # Python stacks only: C++ unwinding per allocation is slow and rarely what one reads.
         torch.cuda.memory._record_memory_history(
@@ -217,8 +233,10 @@ class StepProfiler:
 
     def _write_outputs(self, prof: torch.profiler.profile) -> None:
         self.trace_path.parent.mkdir(parents=True, exist_ok=True)
-        self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.trace_path))
+        if not self.memory:
+            return
+        self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
         if self._cuda:
             if self._recording_cuda_memory:
                 torch.cuda.memory._dump_snapshot(str(self.snapshot_path))

@@ -48,6 +48,15 @@ def start_method(device: str) -> tuple[str, list[str]]:
     return ("spawn", []) if cuda else ("forkserver", PRELOAD)
 
 
+def start_forkserver() -> None:
+    """Start the CPU ranks' forkserver now: it imports PRELOAD (seconds) in the background while
+    the caller goes on (pytest collecting, say), and the first RankPool forks from it at once."""
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
 class RankError(RuntimeError):
     """A job raised on some rank."""
 

@@ -19,6 +19,9 @@ def validate(cfg) -> None:
                     f"needs --num-gradient-accumulation-steps >= 2 (got {cfg.num_gradient_accumulation_steps})")
     if not 0 <= cfg.profile_steps <= cfg.num_steps:
         raise ConfigError(f"--profile-steps must be between 0 and --num-steps ({cfg.num_steps}), got {cfg.profile_steps}")
+    if not cfg.profile_memory and cfg.snapshots_dir is not None:
+        raise ConfigError("--snapshots-dir names where memory snapshots go, but --no-profile-memory writes none: "
+                          "drop one of the two")
     if cfg.fsdp == "none":
         fsdp_only = {
             "--param-dtype": cfg.param_dtype != "none", "--reduce-dtype": cfg.reduce_dtype != "none",

@@ -201,6 +201,29 @@ def test_training_shorter_than_window_still_writes(tmp_path):
     assert load_snapshot(prof.snapshot_path)["device_traces"][0]
 
 
+def test_trace_alone_without_memory(tmp_path):
+    """memory=False: the same steps and ops in the trace, no allocation events, no snapshot."""
+    with make_profiler(tmp_path, active=1, skip=1, memory=False) as prof:
+        train(prof, steps=2)
+    events = trace_events(prof)
+    assert "ProfilerStep#1" in {e.get("name") for e in events}
+    assert any(e.get("name") == "aten::addmm" for e in events)
+    assert not [e for e in events if e.get("name") == "[memory]"]
+    assert prof.snapshot_path is None and not (tmp_path / "snapshots").exists()
+
+
+def test_profiling_warns_nothing(tmp_path, recwarn):
+    """torch.profiler's once-per-process "clears events at the end of each cycle" warning is silenced
+    without acc_events=True (which parses every event into Python objects when profiling stops)."""
+    import torch.profiler.profiler as tp
+
+    tp._WARNINGS_SHOWN.clear()  # shown once per process: make this profile the first
+    with make_profiler(tmp_path, active=1, skip=1) as prof:
+        train(prof, steps=2)
+    assert not [str(w.message) for w in recwarn if "Profiler" in str(w.message)]
+    assert prof._prof is None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

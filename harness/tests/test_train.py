@@ -172,6 +172,10 @@ VALIDATE_CASES = {
         dict(fsdp="none", num_gradient_accumulation_steps=2, reduce_grads_before_last_backward=False),
         ["--no-reduce-grads-before-last-backward", "--fsdp none", "use --fsdp fsdp2 or effdl"],
     ),
+    "snapshots dir without memory profiling": (
+        dict(profile_memory=False, snapshots_dir=Path("snaps")),
+        ["--snapshots-dir", "--no-profile-memory", "drop one of the two"],
+    ),
     "--impl with FSDP2": (dict(fsdp="fsdp2", impl="other.py"), ["--impl other.py", "needs --fsdp effdl"]),
     "--impl path that does not exist": (
         dict(fsdp="effdl", impl="no/such/fsdp.py"), ["--impl no/such/fsdp.py", "is missing", "check the path"],
