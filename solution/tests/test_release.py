@@ -67,7 +67,8 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     13 in this repository's own run of test.py, so all of it again here would prove nothing new."""
     sync = run([*uv(), "sync", "--frozen", "--quiet"], student_repo, timeout=900)
     assert sync.returncode == 0, show(sync)
-    pytest_cmd = [str(student_repo / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    verbose = [str(student_repo / ".venv" / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider"]
+    pytest_cmd = [*verbose, "-q"]
 
     harness = run([*pytest_cmd, "harness"], student_repo, timeout=900)
     assert harness.returncode == 0, show(harness)
@@ -77,7 +78,8 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     assert "TODO(task1)" in skeleton.stdout, f"the first failure should be task 1's TODO\n{show(skeleton)}"
 
     shutil.copy(ROOT / "solution" / "fsdp.py", student_repo / "fsdp.py")
-    graded = run([*pytest_cmd, "test.py", "-m", "task1", "-k", "forward"], student_repo, timeout=900)
+    # not -q: the header names the file under test
+    graded = run([*verbose, "test.py", "-m", "task1", "-k", "forward"], student_repo, timeout=900)
     assert graded.returncode == 0, show(graded)
     assert f"hand-written FSDP under test: {student_repo / 'fsdp.py'}" in graded.stdout, show(graded)
     assert re.search(r"^task 1 forward +3 / 3 +10 cases pass", graded.stdout, re.M), show(graded)
