@@ -37,10 +37,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs CUDA GPUs (NCCL); skipped with the reason where too few")
     config._points = {}  # test function -> list of (passed, evidence or first failure line)
     config._cases = {}  # test function -> every collected case of test.py, selected or not
-    if not config.option.collectonly:
-        from harness.ranks import start_forkserver
 
-        start_forkserver()  # loads torch and the model while pytest collects
+
+def pytest_collection(session):
+    """Start the CPU ranks' forkserver, which imports torch, train.py and torchtitan, while pytest
+    collects (a few seconds off the first test; a session without CPU ranks pays it in the
+    background). Under pytest's capture: the ranks inherit its output, so what a rank prints shows
+    with the test that ran it."""
+    if session.config.option.collectonly:
+        return
+    from harness.ranks import start_forkserver
+
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.resume_global_capture()
+    try:
+        start_forkserver()
+    finally:
+        if capture is not None:
+            capture.suspend_global_capture()
 
 
 def _collected(config, items) -> None:

@@ -686,13 +686,21 @@ def rank_files(directory: str | Path, suffix: str) -> list[Path]:
     return files
 
 
-def analyze_run(traces: str | Path, snapshots: str | Path | None = None) -> RunStats:
-    """rank{r}.json in `traces` and, when given, rank{r}.pickle in `snapshots` (each read once)."""
+def analyze_run(traces: str | Path, snapshots: str | Path | None = None, *, snapshots_optional: bool = False) -> RunStats:
+    """rank{r}.json in `traces` and, when given, rank{r}.pickle in `snapshots` (each read once).
+    A trace profiled without allocation events (train.py --no-profile-memory) has no snapshot of its
+    own: one found beside it is an older run's, refused (or, with snapshots_optional, not read)."""
     steps, memories, scheduled = [], [], []
     for path in rank_files(traces, ".json"):
         t = Trace(path)
         steps += analyze_trace(t)
         scheduled += schedule(t)
+        if snapshots is not None and not t.data.get("profile_memory"):
+            if snapshots_optional:
+                snapshots = None
+            else:
+                raise ValueError(f"{path} was profiled with --no-profile-memory, so no snapshot in {snapshots} is "
+                                 "from its run: profile again without that flag, or analyse the traces alone")
         if snapshots is not None:
             memories.append(analyze_memory(Path(snapshots) / f"{path.stem}.pickle", t))
     return RunStats(mean(steps), MemoryStats.worst(memories) if memories else None, steps, memories, scheduled)
@@ -768,7 +776,10 @@ def main(argv: list[str] | None = None) -> None:
         name = traces.name or str(traces)
         while name in runs:
             name += "'"
-        runs[name] = analyze_run(traces, snaps if snaps.is_dir() else None)
+        try:
+            runs[name] = analyze_run(traces, snaps if snaps.is_dir() else None, snapshots_optional=not args.snapshots)
+        except ValueError as e:  # traces or snapshots not written as train.py writes them
+            parser.error(str(e))
     print(table(runs))
 
 

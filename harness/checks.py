@@ -431,22 +431,25 @@ class Profiles:
     effdl: "analysis.RunStats"
 
 
-def profile_both(pool: RankPool, impl: str, folder, **overrides) -> Profiles:
+def profile_both(pool: RankPool, impl: str, folder, memory: bool = False, **overrides) -> Profiles:
     __tracebackhide__ = True
     cfg = config(impl, num_steps=3, profile_steps=2, **overrides)
-    return run_profiled(pool, cfg, folder, describe(cfg, pool.world_size))[0]
+    return run_profiled(pool, cfg, folder, describe(cfg, pool.world_size), memory=memory)[0]
 
 
-def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, check_shards: bool = False):
+def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, check_shards: bool = False,
+                 memory: bool = False):
     """Profiled runs of FSDP2 and the hand-written FSDP (same config otherwise): their analysed
-    traces, and per implementation the per-rank (result, digests) of train_job. The checks read
-    the schedule and the collectives only: no memory events, no snapshot."""
+    traces under folder/<fsdp2|effdl>/traces, and per implementation the per-rank (result, digests)
+    of train_job. The checks read the schedule and the collectives only, so by default there are
+    no allocation events and no snapshots (memory=True: snapshots in folder/<...>/snapshots)."""
     __tracebackhide__ = True
     from harness import analysis
 
     results, stats = {}, {}
     for name, cfg in (("fsdp2", as_fsdp2(cfg_effdl)), ("effdl", cfg_effdl)):
-        cfg = dataclasses.replace(cfg, traces_dir=folder / name / "traces", profile_memory=False)
+        cfg = dataclasses.replace(cfg, traces_dir=folder / name / "traces", profile_memory=memory,
+                                  snapshots_dir=folder / name / "snapshots" if memory else None)
         results[name] = run(pool, train_job, cfg, check_shards)
         stats[name] = analysis.analyze_run(cfg.traces_dir)
     return Profiles(what, stats["fsdp2"], stats["effdl"]), results
@@ -565,7 +568,7 @@ def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, re
     groups = len({s.group for s in profiles.fsdp2.scheduled if s.kind == "all_gather"})
     if not groups:
         raise RuntimeError(f"{what}: FSDP2's trace shows no `FSDP::all_gather (name)` range: this torch "
-                           "labels FSDP2's phases differently than harness/analysis.py expects")
+                           "labels FSDP2's phases differently; update GROUP_RANGE in harness/analysis.py")
     for m in modes:
         for who in ("fsdp2", "effdl"):
             s = stats[who].comm

@@ -9,6 +9,7 @@ The trace has one `ProfilerStep#N` range per profiled step (N counts from 0 at t
 training step, so with skip=1 the profiled steps are #1, #2, ...), every aten op with input
 shapes, the `record_function` ranges of the code (FSDP2 labels its phases `FSDP::all_gather (i)`,
 `FSDP::post_backward_reduce (i)`, ...) and `[memory]` instant events for every allocation and free.
+With memory=False (train.py --no-profile-memory) there are no `[memory]` events and no snapshot.
 
 Finding the collectives in the trace
 ------------------------------------

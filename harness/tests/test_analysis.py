@@ -206,6 +206,7 @@ def test_memory_stats_unix_time():
 def test_cli(tmp_path, capsys):
     trace = gloo_trace()
     trace["traceEvents"] += [e for e in memory_trace()["traceEvents"] if e["name"] == "[memory]"]
+    trace["profile_memory"] = 1  # as torch marks a trace with allocation events
     for name in ("a", "b"):
         (tmp_path / "traces" / name).mkdir(parents=True)
         (tmp_path / "snapshots" / name).mkdir(parents=True)
@@ -220,6 +221,25 @@ def test_cli(tmp_path, capsys):
     assert rows["all-gather hidden"] == ["38%", "38%"]
     assert rows["reduce-scatters, backward"] == ["1", "1"]
     assert rows["growth per step (MiB)"] == ["+0.00", "+0.00"]
+
+
+def test_cli_leaves_an_older_snapshot_out(tmp_path, capsys):
+    """A trace profiled with --no-profile-memory beside an older run's snapshot: the table has no
+    memory rows (not the old run's numbers); naming that snapshot explicitly is refused."""
+    old = gloo_trace()
+    old["traceEvents"] += [e for e in memory_trace()["traceEvents"] if e["name"] == "[memory]"]
+    (tmp_path / "traces" / "a").mkdir(parents=True)
+    (tmp_path / "snapshots" / "a").mkdir(parents=True)
+    (tmp_path / "traces" / "a" / "rank0.json").write_text(json.dumps(gloo_trace()))
+    with open(tmp_path / "snapshots" / "a" / "rank0.pickle", "wb") as f:
+        pickle.dump(profiling.snapshot_from_chrome_trace(old), f)
+    analysis.main([str(tmp_path / "traces" / "a")])
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in capsys.readouterr().out.splitlines()[1:])}
+    assert rows["all-gathers, forward"] == ["1"] and rows["peak memory (MiB)"] == ["-"]
+    with pytest.raises(SystemExit) as e:
+        analysis.main([str(tmp_path / "traces" / "a"), "--snapshots", str(tmp_path / "snapshots" / "a")])
+    assert e.value.code == 2
+    assert "--no-profile-memory" in capsys.readouterr().err
 
 
 def schedule_trace(wait_at_once: bool = False, blocking_issue: bool = False, reduce_done_at_once: bool = False):

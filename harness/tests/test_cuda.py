@@ -71,7 +71,7 @@ def test_same_run_twice_is_bit_identical(cuda_pool):
 
 def test_trace_and_snapshot(cuda_pool, impl, tmp_path):
     skip_unfinished(impl)
-    profiles = checks.profile_both(cuda_pool, impl, tmp_path)
+    profiles = checks.profile_both(cuda_pool, impl, tmp_path, memory=True)
     world = cuda_pool.world_size
     for name, run in (("fsdp2", profiles.fsdp2), ("effdl", profiles.effdl)):
         ag = run.comm.all_gather

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.cuda import _memory_viz as memory_viz
 
+from harness import profiling
 from harness.profiling import (
     StepProfiler,
     load_snapshot,
@@ -212,12 +213,15 @@ def test_trace_alone_without_memory(tmp_path):
     assert prof.snapshot_path is None and not (tmp_path / "snapshots").exists()
 
 
-def test_profiling_warns_nothing(tmp_path, recwarn):
+@pytest.mark.parametrize("first", [True, False], ids=["first profile of the process", "a later one"])
+def test_profiling_warns_nothing(tmp_path, recwarn, monkeypatch, first):
     """torch.profiler's once-per-process "clears events at the end of each cycle" warning is silenced
-    without acc_events=True (which parses every event into Python objects when profiling stops)."""
+    without acc_events=True (which parses every event into Python objects when profiling stops):
+    in the throwaway CPU profile a process runs first, and in StepProfiler's own."""
     import torch.profiler.profiler as tp
 
-    tp._WARNINGS_SHOWN.clear()  # shown once per process: make this profile the first
+    tp._WARNINGS_SHOWN.clear()  # torch shows it once per process: make this profile the first to
+    monkeypatch.setattr(profiling, "_cpu_profiler_quiet", not first)  # False: the throwaway runs again
     with make_profiler(tmp_path, active=1, skip=1) as prof:
         train(prof, steps=2)
     assert not [str(w.message) for w in recwarn if "Profiler" in str(w.message)]
