@@ -695,14 +695,13 @@ def analyze_run(traces: str | Path, snapshots: str | Path | None = None, *, snap
         t = Trace(path)
         steps += analyze_trace(t)
         scheduled += schedule(t)
-        if snapshots is not None and not t.data.get("profile_memory"):
-            if snapshots_optional:
-                snapshots = None
-            else:
-                raise ValueError(f"{path} was profiled with --no-profile-memory, so no snapshot in {snapshots} is "
-                                 "from its run: profile again without that flag, or analyse the traces alone")
-        if snapshots is not None:
+        if snapshots is None:
+            continue
+        if t.data.get("profile_memory"):  # torch's mark of a trace with allocation events
             memories.append(analyze_memory(Path(snapshots) / f"{path.stem}.pickle", t))
+        elif not snapshots_optional:
+            raise ValueError(f"{path} was profiled with --no-profile-memory, so no snapshot in {snapshots} is "
+                             "from its run: profile again without that flag, or analyse the traces alone")
     return RunStats(mean(steps), MemoryStats.worst(memories) if memories else None, steps, memories, scheduled)
 
 

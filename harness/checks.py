@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import train
 from harness import assets, memory, model_setup
-from harness.distributed import current_device
+from harness.distributed import agree, current_device
 from harness.ranks import RankError, RankPool
 
 PRECISIONS = [(p, r) for p in ("float32", "bfloat16") for r in ("float32", "bfloat16")]
@@ -114,7 +114,7 @@ def assert_sharded(model: nn.Module, step: int) -> None:
 
 def sharding_error(model: nn.Module, step: int) -> str | None:
     when = "after wrapping" if step == 0 else f"after step {step}"
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             return (f"{when}: parameter {name} is a {type(p).__name__}, not a DTensor "
@@ -122,24 +122,7 @@ def sharding_error(model: nn.Module, step: int) -> str | None:
         if tuple(p.placements) != (Shard(0),) or p.device_mesh.size() != world:
             return (f"{when}: parameter {name} has placements {p.placements} on a mesh of "
                     f"{p.device_mesh.size()} ranks; expected (Shard(0),) on {world}")
-        rows = p.shape[0]
-        chunk = -(-rows // world)
-        mine = max(0, min(chunk, rows - rank * chunk))
-        if tuple(p.to_local().shape) != (mine, *p.shape[1:]):
-            return (f"{when}: rank {rank} holds {tuple(p.to_local().shape)} of {name} "
-                    f"{tuple(p.shape)}; torch.chunk gives it {(mine, *p.shape[1:])}")
-    return None
-
-
-def agree(error: str | None) -> None:
-    """Raise on every rank if the check failed on any: a rank that carried on alone would
-    hang in the next collective."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, first = failed[0]
-        raise AssertionError(f"{first} [rank {rank}; failed on ranks {[r for r, _ in failed]}]")
+    return model_setup.row_layout_error(model, when)
 
 
 # --------------------------------------------------------------------------- checks

@@ -93,3 +93,14 @@ def current_device(device_flag: str) -> torch.device:
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def agree(error: str | None) -> None:
+    """Raise on every rank if a check failed on any (error: this rank's problem, or None): a rank
+    that carried on alone would hang in the next collective."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise AssertionError(f"{first} [rank {rank}; failed on ranks {[r for r, _ in failed]}]")

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+from harness.distributed import agree
 from harness.errors import ConfigError
 
 
@@ -85,23 +86,25 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def check_row_layout(model: nn.Module) -> None:
-    """Every rank's Shard(0) parameters hold torch.chunk's rows (what FullTensorInit fills), checked
-    on all ranks at once so that each names the same problem instead of some ranks going on to hang."""
-    if not dist.is_initialized():
-        return
-    world = dist.get_world_size()
-    mine = {name: (tuple(p.shape), tuple(p.to_local().shape)) for name, p in model.named_parameters()
-            if isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)}
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    for rank, shapes in enumerate(everyone):
-        for name, (full, local) in shapes.items():
-            chunk = -(-full[0] // world)
-            expected = (max(0, min(chunk, full[0] - rank * chunk)), *full[1:])
-            if local != expected:
-                raise AssertionError(
-                    f"after wrapping: rank {rank} holds {local} of {name} {full}; torch.chunk gives it "
-                    f"{expected} (Shard(0) splits rows as torch.chunk does: README, Hints)")
+    """Every rank's Shard(0) parameters hold torch.chunk's rows (what FullTensorInit fills), agreed on
+    all ranks at once so that each names the same problem instead of some ranks going on to hang."""
+    if dist.is_initialized():
+        agree(row_layout_error(model, "after wrapping"))
+
+
+def row_layout_error(model: nn.Module, when: str) -> str | None:
+    """The first Shard(0) parameter whose local rows on this rank are not torch.chunk's, or None."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for name, p in model.named_parameters():
+        if not (isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)):
+            continue
+        full, local = tuple(p.shape), tuple(p.to_local().shape)
+        chunk = -(-full[0] // world)
+        expected = (max(0, min(chunk, full[0] - rank * chunk)), *full[1:])
+        if local != expected:
+            return (f"{when}: rank {rank} holds {local} of {name} {full}; torch.chunk gives it {expected} "
+                    "(Shard(0) splits rows as torch.chunk does: README, Hints)")
+    return None
 
 
 class FullTensorInit(TorchFunctionMode):

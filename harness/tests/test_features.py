@@ -23,8 +23,8 @@ from harness import assets, checkpoint, checks, fit, model_setup
 from harness.checks import PRECISIONS
 from harness.distributed import current_device
 from harness.errors import ConfigError
-from harness.impl import impl_path
 from harness.ranks import RankError, RankPool
+from harness.tests.test_platform import skip_unfinished
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,7 @@ def pool1():
 def _needs_a_working_fsdp(request):
     """Tests of the hand-written FSDP against FSDP2 need one that trains: not the skeleton's TODOs."""
     if "impl" in request.fixturenames:
-        path = impl_path(request.getfixturevalue("impl"))
-        if 'NotImplementedError("TODO(task1)' in path.read_text():
-            pytest.skip(f"{path} has task 1 to do; this compares a working FSDP with FSDP2")
+        skip_unfinished(request.getfixturevalue("impl"))
 
 
 def short(impl: str | None, **overrides) -> train.Config:
