@@ -218,6 +218,8 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1, foreach=True)
     data = build_data(cfg, rank, world_size)
     first = checkpoint.load(cfg.checkpoint_dir, model, optimizer, cfg) if cfg.resume else 0
+    if cfg.resume and first == cfg.num_steps and cfg.log and rank == 0:
+        print(checkpoint.nothing_left(cfg), flush=True)
     for _ in range(first * cfg.num_gradient_accumulation_steps):
         next(data)  # where the saved run's loader was
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.num_gradient_accumulation_steps * world_size

@@ -81,6 +81,12 @@ def latest(directory: Path) -> Path:
     return newest
 
 
+def nothing_left(cfg) -> str:
+    """What --resume says when the latest checkpoint is already at --num-steps."""
+    return (f"--resume: the latest checkpoint in {cfg.checkpoint_dir} is at step {cfg.num_steps} = --num-steps: "
+            f"nothing left to train; pass a larger --num-steps to train on")
+
+
 def load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg) -> int:
     """Load the latest checkpoint into the (wrapped) model and optimizer; return its step."""
     path = latest(directory)
@@ -96,6 +102,9 @@ def load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cf
     dcp.load({"train": train_state}, checkpoint_id=str(path))
     if train_state["format"] != FORMAT:
         raise CheckpointError(f"--resume: {path} was written by {train_state['format']!r}, not {FORMAT!r}")
+    if train_state["step"] > cfg.num_steps:
+        raise CheckpointError(f"--resume: {path} is at step {train_state['step']}, past --num-steps {cfg.num_steps}: "
+                              f"pass --num-steps {train_state['step'] + 1} or more to train on, or another --checkpoint-dir")
     if (saved := {k: train_state[k] for k in _run_shape(cfg)}) != _run_shape(cfg):
         raise CheckpointError(f"--resume: {path} was saved by a run with {saved}; this run has {_run_shape(cfg)}: "
                               "use the same --model, --seq-len and --seed, or another --checkpoint-dir")

@@ -35,8 +35,9 @@ def available_bytes(device: torch.device) -> int:
 
 def estimate(cfg, world_size: int, vocab_size: int) -> dict[str, int]:
     """Bytes per rank, by part (see the module docstring); cfg is a train.Config."""
-    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, torch.device("meta"), vocab_size)
-    args = model_setup.model_args(cfg.model, cfg.seq_len, vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
+    overrides = dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)  # the model the run asks for
+    model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, torch.device("meta"), vocab_size, **overrides)
+    args = model_setup.model_args(cfg.model, cfg.seq_len, vocab_size, **overrides)
     total = sum(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in model.layers["0"].parameters())
     root = total - block * len(model.layers)

@@ -719,7 +719,7 @@ def write(out: Path, data: dict, plan: Plan, groups: dict) -> None:
     _save(fig, out / "memory_timeline.png")
     md += ["## Memory timeline (rank 0, W=2)", "",
            "Sampled every millisecond during 3 steps of the hand-written FSDP: on CPU the resident set with "
-           "`--exact-cpu-memory` (what test_memory trusts), on CUDA the allocated bytes; forward, backward and "
+           "`--exact-cpu-memory` (what test_task3_memory and the bonus tests compare), on CUDA the allocated bytes; forward, backward and "
            "optimizer phases shaded. Per-step peaks (MiB): " + ", ".join(mib(p) for p in tl["peaks"]) + ". "
            "The CPU memory snapshot in snapshots/ shows allocations only (gloo's frees are not recorded), so "
            "its peak is not this one.", "",

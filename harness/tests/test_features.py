@@ -355,6 +355,17 @@ def test_dcp_checkpoint_of_another_program_refused(tmp_path):
         checkpoint.load(tmp_path, None, None, short(None))
 
 
+def test_resume_of_a_finished_run(pool2, tmp_path):
+    """Resuming at --num-steps trains nothing and says so; past it is refused, naming the fix."""
+    cfg = checks.as_fsdp2(short(None, checkpoint_dir=tmp_path))
+    checks.run(pool2, checks.train_job, cfg)
+    resumed = checks.run(pool2, checks.train_job, dataclasses.replace(cfg, resume=True))
+    assert resumed[0][0].losses == [], resumed[0][0]
+    assert "nothing left to train; pass a larger --num-steps" in checkpoint.nothing_left(cfg)
+    with pytest.raises(RankError, match=r"is at step 3, past --num-steps 2: pass --num-steps 4 or more"):
+        checks.run(pool2, checks.train_job, dataclasses.replace(cfg, resume=True, num_steps=2, profile_steps=0))
+
+
 def test_resume_needs_a_checkpoint_dir():
     with pytest.raises(ConfigError, match="--checkpoint-dir"):
         train.validate(short(None, resume=True))
@@ -374,6 +385,16 @@ def test_estimate_of_the_sharded_state_falls_with_world_size():
     assert no_meta["the full model, built before sharding"] == parts[1][key] // 4
     ac = fit.estimate(checks.as_fsdp2(short(None, model="1b", activation_checkpoint="full", seq_len=1024)), 2, 128256)
     assert ac["activations"] < fit.estimate(checks.as_fsdp2(short(None, model="1b", seq_len=1024)), 2, 128256)["activations"]
+
+
+def test_estimate_follows_width_and_depth_overrides():
+    """--dim / --n-layers / --n-heads change the model, so they change the estimate."""
+    key = "parameters, gradients, AdamW state (float32)"
+    base = fit.estimate(checks.as_fsdp2(short(None)), 2, 2048)
+    half = fit.estimate(checks.as_fsdp2(short(None, n_layers=3)), 2, 2048)
+    wide = fit.estimate(checks.as_fsdp2(short(None, dim=512, n_heads=16)), 2, 2048)
+    assert half[key] < base[key] < wide[key], (half[key], base[key], wide[key])
+    assert half["activations"] * 2 == base["activations"] < wide["activations"]
 
 
 def test_too_big_is_refused_before_building(pool2):

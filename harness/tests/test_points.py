@@ -54,3 +54,45 @@ def test_stop_before_a_line_leaves_it_ungraded(tmp_path):
     rows, stdout = table(tmp_path, "-x", "-k", "task2 or bonus1")
     assert rows["task 2"]["earned"] == 0 and rows["bonus 1"]["earned"] is None, rows
     assert "total            0 / 2 (of the lines graded; all: 13)" in stdout, stdout
+
+
+SKIPPING_TEST = '''
+import pytest
+
+@pytest.mark.parametrize("case", ["world2", "world3"])
+def test_task1_forward(case):
+    pass
+
+@pytest.mark.parametrize("case", ["float32", "bfloat16"])
+def test_task3_memory(case):
+    if case == "bfloat16":
+        pytest.skip("all else passed; peaks not compared here")
+
+@pytest.mark.skip(reason="needs two GPUs")
+def test_bonus1():
+    pass
+
+def test_bonus2():
+    pytest.skip("not on this platform")
+    assert False
+'''
+
+
+def test_a_skip_is_never_a_failure(tmp_path):
+    """A case skipped inside a test body (or by a mark) leaves its line ungraded, with the reason
+    as text; the other lines are graded as usual."""
+    (tmp_path / "test.py").write_text(SKIPPING_TEST)
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    out = tmp_path / "points.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test.py",
+                           f"--points-json={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = {r["task"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["task 1 forward"]["earned"] == 3, rows
+    for line, reason in (("task 3", "all else passed; peaks not compared here"), ("bonus 1", "needs two GPUs"),
+                         ("bonus 2", "not on this platform")):
+        assert rows[line]["earned"] is None, rows[line]
+        assert rows[line]["evidence"].startswith("not graded: 1 of its ") and rows[line]["evidence"].endswith(
+            f"cases skipped: {reason}"), rows[line]
+    assert "('" not in proc.stdout and "Skipped:" not in proc.stdout.split("points")[-1], proc.stdout
+    assert "task 3           - / 2   not graded: 1 of its 2 cases skipped: all else passed" in proc.stdout, proc.stdout
