@@ -7,21 +7,6 @@ import json
 
 import pytest
 
-# The handout's points: (line, points, the test.py functions whose every case must pass).
-POINTS = [
-    ("task 1 forward", 3, ["test_task1_forward"]),
-    ("task 1 step", 3, ["test_fsdp"]),
-    ("task 2", 2, ["test_task2"]),
-    ("task 3", 2, ["test_task3", "test_task3_memory"]),
-    ("bonus 1", 1, ["test_bonus1"]),
-    ("bonus 2", 1, ["test_bonus2"]),
-    ("bonus 3", 1, ["test_bonus3"]),
-]
-MARKERS = {"task1": "task 1 (forward and step)", "task2": "task 2: forward prefetch",
-           "task3": "task 3: backward overlap", "bonus1": "bonus 1: reshard_after_forward=False",
-           "bonus2": "bonus 2: set_reshard_after_backward(False)", "bonus3": "bonus 3: set_requires_gradient_sync(False)"}
-
-
 def pytest_addoption(parser):
     parser.addoption(
         "--impl", default="student",
@@ -32,6 +17,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    from harness.points import MARKERS
+
     for name, what in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
     config.addinivalue_line("markers", "cuda: needs CUDA GPUs (NCCL); skipped with the reason where too few")
@@ -127,47 +114,15 @@ def _skip_reason(report) -> str:
     return text.strip().removeprefix("Skipped: ")[:160] or "skipped"
 
 
-def points_table(results: dict, collected: dict | None = None) -> list[dict]:
-    """One row per handout line. A line earns its points only when every one of its cases ran
-    and passed, and nothing when one failed; one whose cases did not all run (-k, -m, -x) or
-    skipped (with the reason) earns None: not graded. A skip is never a failure."""
-    rows = []
-    for line, points, tests in POINTS:
-        cases = {nodeid: r for t in tests for nodeid, r in results.get(t, {}).items()}
-        expected = {nodeid for t in tests for nodeid in (collected or {}).get(t, ())} | set(cases)
-        if not cases:
-            rows.append(dict(task=line, earned=None, max=points, evidence="not run"))
-            continue
-        failed = [text for outcome, text in cases.values() if outcome == "failed"]
-        skipped = [text for outcome, text in cases.values() if outcome == "skipped"]
-        if not failed and skipped:
-            rows.append(dict(task=line, earned=None, max=points, evidence=(
-                f"not graded: {len(skipped)} of its {len(expected)} cases skipped: {skipped[0]}")))
-            continue
-        if not failed and len(cases) < len(expected):
-            rows.append(dict(task=line, earned=None, max=points, evidence=(
-                f"not graded: {len(cases)} of its {len(expected)} cases ran (all passed); "
-                "run them all for the points")))
-            continue
-        evidence = failed[0] if failed else next((text for outcome, text in cases.values() if text), "passed")
-        rows.append(dict(task=line, earned=0 if failed else points, max=points,
-                         evidence=(f"{len(failed)} of {len(cases)} cases fail: " if failed else
-                                   f"{len(cases)} cases pass; ") + evidence))
-    return rows
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from harness import points
+
     if not config._points:
         return
-    rows = points_table(config._points, config._cases)
-    run = [r for r in rows if r["earned"] is not None]
-    tw = terminalreporter
-    tw.section("points")
-    for r in rows:
-        got = "-" if r["earned"] is None else r["earned"]
-        tw.write_line(f"{r['task']:<15} {got:>2} / {r['max']}   {r['evidence']}")
-    tw.write_line(f"{'total':<15} {sum(r['earned'] for r in run):>2} / {sum(r['max'] for r in run)}"
-                  + ("" if len(run) == len(rows) else f" (of the lines graded; all: {sum(r['max'] for r in rows)})"))
+    rows = points.table(config._points, config._cases)
+    terminalreporter.section("points")
+    for line in points.render(rows):
+        terminalreporter.write_line(line)
     if path := config.getoption("--points-json"):
         with open(path, "w") as f:
             json.dump({"impl": config.getoption("--impl"), "rows": rows}, f, indent=1)

@@ -6,7 +6,7 @@
     uv run pytest test.py -k "world3 and bfloat16"   # one world size or precision case
     uv run pytest test.py --impl path/to/fsdp.py     # any other file (default: fsdp.py)
 
-Each test earns part of one line of the handout's points table (conftest.POINTS); a line's
+Each test earns part of one line of the handout's points table (harness/points.py); a line's
 points need all its tests to pass. The header names the file under test.
 """
 
@@ -32,7 +32,7 @@ def pool(request, world: int):
 @pytest.mark.task1
 @pytest.mark.parametrize("world, param_dtype, reduce_dtype", CASES)
 def test_task1_forward(impl, world, param_dtype, reduce_dtype, request, evidence):
-    """Task 1, forward (3 points): the first forward's loss bit-identical to FSDP2's, parameters
+    """Task 1 forward: the first forward's loss bit-identical to FSDP2's, parameters
     Shard(0) DTensors before and after, each block's gathered parameters freed after its forward,
     FSDP2's all-gathers (dtype and bytes). Needs no backward."""
     evidence(checks.check_forward(pool(request, world), impl, param_dtype, reduce_dtype))
@@ -46,7 +46,7 @@ FSDP_CASES = CASES + [pytest.param(w, "odd-shapes", None, id=f"world{w}-odd-shap
 @pytest.mark.task1
 @pytest.mark.parametrize("world, param_dtype, reduce_dtype", FSDP_CASES)
 def test_fsdp(impl, world, param_dtype, reduce_dtype, request, evidence):
-    """Task 1, full step (3 points): every loss, grad norm and parameter shard bit-identical to
+    """Task 1 step, the handout's test: every loss, grad norm and parameter shard bit-identical to
     FSDP2's over 4 steps of 2 micro-steps, gathered parameters and full gradients freed by the end
     of each step, FSDP2's all-gathers and reduce-scatters (dtype and bytes) in forward and backward;
     the odd-shapes cases: rows that do not divide by the world size, and empty shards."""
@@ -64,13 +64,13 @@ def profiles(pool2, impl, tmp_path_factory):
 
 @pytest.mark.task2
 def test_task2(profiles, evidence):
-    """Task 2 (2 points): forward all-gathers run while compute runs, as many as FSDP2's."""
+    """Task 2: forward all-gathers run while compute runs, as many as FSDP2's."""
     evidence(checks.assert_overlap(profiles, "forward"))
 
 
 @pytest.mark.task3
 def test_task3(profiles, evidence):
-    """Task 3 (2 points): backward all-gathers prefetched and reduce-scatters left in flight."""
+    """Task 3: backward all-gathers prefetched and reduce-scatters left in flight."""
     evidence(checks.assert_overlap(profiles, "backward"))
 
 
@@ -88,7 +88,7 @@ def _bonus(bonus: str):
         evidence(checks.check_mode(pool2, impl, [bonus], param_dtype, reduce_dtype, tmp_path))
         checks.check_memory(pool2, impl, param_dtype, reduce_dtype, **checks.MODES[bonus].flags)
         checks.skip_if_peaks_not_compared(pool2)
-    test.__doc__ = (f"{checks.MODES[bonus].name} (1 point), each precision case: {checks.MODES[bonus].promise}, "
+    test.__doc__ = (f"{checks.MODES[bonus].name}, each precision case: {checks.MODES[bonus].promise}, "
                     "FSDP2's collectives per phase, overlap kept, bit-identical numbers, memory.")
     return getattr(pytest.mark, bonus)(test)
 
@@ -100,7 +100,7 @@ test_bonus1, test_bonus2, test_bonus3 = (_bonus(b) for b in ("bonus1", "bonus2",
 @pytest.mark.bonus3
 @pytest.mark.parametrize("bonuses", [["bonus2", "bonus3"], ["bonus1", "bonus2", "bonus3"]], ids=["2+3", "1+2+3"])
 def test_bonuses_combined(impl, pool2, bonuses, tmp_path):
-    """Bonuses together (no points of their own): every promise and FSDP2's collectives (float32),
+    """Bonuses together (no line of the points table): every promise and FSDP2's collectives (float32),
     losses, grad norms and shards bit-identical to FSDP2 in the mixed-precision cases."""
     checks.check_mode(pool2, impl, bonuses, "float32", "float32", tmp_path)
     for param_dtype, reduce_dtype in checks.PRECISIONS[1:]:

@@ -19,15 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness.points import LINES
 
-from conftest import POINTS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def grade(path: Path, timeout: float, pytest_args: list[str]) -> dict:
     """One submission's row: points per task, total, and what failed, in one line."""
-    row = {"submission": str(path), **{t: 0 for t, _, _ in POINTS}, "total": 0, "failures": ""}
+    row = {"submission": str(path), **{line.name: 0 for line in LINES}, "total": 0, "failures": ""}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "points.json"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "test.py"),
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.submissions}: give a .py submission or a folder of them")
     if not files:
         parser.error(f"{args.submissions}: no .py files in it")
-    fields = ["submission", *(t for t, _, _ in POINTS), "total", "failures"]
+    fields = ["submission", *(line.name for line in LINES), "total", "failures"]
     out = open(args.output, "w", newline="") if args.output else sys.stdout
     writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()

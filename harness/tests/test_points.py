@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from harness import points
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +99,15 @@ def test_a_skip_is_never_a_failure(tmp_path):
             f"cases skipped: {reason}"), rows[line]
     assert "('" not in proc.stdout and "Skipped:" not in proc.stdout.split("points")[-1], proc.stdout
     assert "task 3           - / 2   not graded: 1 of its 2 cases skipped: all else passed" in proc.stdout, proc.stdout
+
+
+def test_readme_table_is_the_points_table():
+    """The README's points table lists the lines of harness/points.py, in order, with their
+    points and tests: the table is defined once, and the README follows it."""
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| ([a-z0-9 ]+): (\d+) \| (.*?) \|", readme, re.M)
+    assert [(name, int(n)) for name, n, _ in rows] == [(line.name, line.points) for line in points.LINES], rows
+    for (_, _, tests), line in zip(rows, points.LINES):
+        for test in line.tests:
+            assert f"`{test}[" in tests or f"`{test}`" in tests, (line.name, test, tests)
+    assert f"total           {points.TOTAL} / {points.TOTAL}" in readme

@@ -1,0 +1,77 @@
+"""The handout's points table, defined once.
+
+conftest.py prints it at the end of every run of test.py (and writes it with --points-json),
+`harness.grade` makes its CSV columns from it, `harness.handin` its summary, and a test keeps
+the README's table in step with it. A line earns its points only when every case of its tests
+ran and passed; a failure costs the whole line; a line whose cases did not all run, or skipped,
+is not graded (None), and the total counts only graded lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of the handout's table: its name, its points, the test.py functions behind it
+    (every case of each must pass), and the pytest marker that selects them."""
+
+    name: str
+    points: int
+    tests: tuple[str, ...]
+    marker: str
+    about: str  # the marker's description
+
+
+LINES = (
+    Line("task 1 forward", 3, ("test_task1_forward",), "task1", "task 1 (forward and step)"),
+    Line("task 1 step", 3, ("test_fsdp",), "task1", "task 1 (forward and step)"),
+    Line("task 2", 2, ("test_task2",), "task2", "task 2: forward prefetch"),
+    Line("task 3", 2, ("test_task3", "test_task3_memory"), "task3", "task 3: backward overlap"),
+    Line("bonus 1", 1, ("test_bonus1",), "bonus1", "bonus 1: reshard_after_forward=False"),
+    Line("bonus 2", 1, ("test_bonus2",), "bonus2", "bonus 2: set_reshard_after_backward(False)"),
+    Line("bonus 3", 1, ("test_bonus3",), "bonus3", "bonus 3: set_requires_gradient_sync(False)"),
+)
+MARKERS = {line.marker: line.about for line in LINES}
+TOTAL = sum(line.points for line in LINES)
+
+
+def table(results: dict, collected: dict | None = None) -> list[dict]:
+    """One row per line: {task, earned (None: not graded), max, evidence}.
+
+    results: test function -> {nodeid: (outcome, text)}, outcome "passed" (text: its evidence),
+    "skipped" (the reason) or "failed" (its first line); collected: test function -> every case
+    collected, selected or not (so a partial selection is seen as one)."""
+    rows = []
+    for line in LINES:
+        cases = {nodeid: r for t in line.tests for nodeid, r in results.get(t, {}).items()}
+        expected = {nodeid for t in line.tests for nodeid in (collected or {}).get(t, ())} | set(cases)
+        row = dict(task=line.name, earned=None, max=line.points)
+        failed = [text for outcome, text in cases.values() if outcome == "failed"]
+        skipped = [text for outcome, text in cases.values() if outcome == "skipped"]
+        if not cases:
+            row["evidence"] = "not run"
+        elif failed:
+            row.update(earned=0, evidence=f"{len(failed)} of {len(cases)} cases fail: {failed[0]}")
+        elif skipped:  # a skip is never a failure
+            row["evidence"] = f"not graded: {len(skipped)} of its {len(expected)} cases skipped: {skipped[0]}"
+        elif len(cases) < len(expected):
+            row["evidence"] = (f"not graded: {len(cases)} of its {len(expected)} cases ran (all passed); "
+                               "run them all for the points")
+        else:
+            evidence = next((text for _, text in cases.values() if text), "passed")
+            row.update(earned=line.points, evidence=f"{len(cases)} cases pass; {evidence}")
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict]) -> list[str]:
+    """The table as printed at the end of test.py: one line per row, then the total."""
+    graded = [r for r in rows if r["earned"] is not None]
+    out = [f"{r['task']:<15} {'-' if r['earned'] is None else r['earned']:>2} / {r['max']}   {r['evidence']}"
+           for r in rows]
+    total = f"{'total':<15} {sum(r['earned'] for r in graded):>2} / {sum(r['max'] for r in graded)}"
+    if len(graded) < len(rows):
+        total += f" (of the lines graded; all: {sum(r['max'] for r in rows)})"
+    return out + [total]
