@@ -100,11 +100,11 @@ class FSDPParam:
     """
 
     def __init__(self, module: nn.Module, name: str, param: nn.Parameter, mesh: DeviceMesh,
-                 mp_policy: MixedPrecisionPolicy):
+                 mp_policy: MixedPrecisionPolicy, aliases: list[tuple[nn.Module, str]]):
         self.module, self.name, self.mesh = module, name, mesh
         # Other (module, name) places holding this same parameter (tied weights, e.g. an embedding
         # and the output layer): one shard, one gather, and autograd sums both uses' gradients.
-        self.aliases: list[tuple[nn.Module, str]] = []
+        self.aliases = aliases
         _SHARDED_ORIGINALS[id(param)] = weakref.ref(param)
         self.shape, self.stride = param.shape, param.stride()
         self.requires_grad = param.requires_grad
@@ -255,7 +255,7 @@ class PendingReduce:
     group: FSDPGroup
     work: dist.Work | None
     output: torch.Tensor
-    params: list[FSDPParam]
+    params: list[FSDPParam]  # those reduced, in the order of the flat layout
 
     def done(self) -> bool:
         return self.work is None or self.work.is_completed()
@@ -272,9 +272,11 @@ class PendingReduce:
 class FSDPGroup:
     """One flat all-gather and one flat reduce-scatter for all the parameters of a group.
 
-    Flat layout (both collectives): [world, shard_numel], where row r is rank r's padded
-    shards of every parameter, one after another. The all-gather fills all rows from each
-    rank's own row; the reduce-scatter reduces row r of every rank into rank r.
+    Flat layout: [world, numel], where row r is rank r's padded shards, one parameter after another.
+    The all-gather sends every parameter (frozen ones too): it fills all rows from each rank's own
+    row. The reduce-scatter reduces row r of every rank into rank r, over the parameters that have
+    a gradient only (not frozen, used in this step), as FSDP2: where a value sits decides the order
+    in which gloo adds the ranks' values, so a slot for the others changes bits at world size 3.
     """
 
     def __init__(self, params: list[FSDPParam], mesh: DeviceMesh):
@@ -356,19 +358,24 @@ class FSDPGroup:
 
     def reduce_scatter(self) -> PendingReduce | None:
         """Start reducing the full gradients into this rank's shard; free the full gradients."""
-        grads = [p.take_grad() for p in self.params]
-        if all(g is None for g in grads):
+        params, grads = [], []
+        for p in self.params:
+            if (grad := p.take_grad()) is not None:  # none if frozen, or unused in this backward
+                params.append(p)
+                grads.append(grad)
+        if not grads:
             return None
         with record_function(self.label("post_backward_reduce")):
             # TODO(task1): start the reduce-scatter
-            # One asynchronous collective over all the group's gradients, in the reduce dtype,
-            # averaging as FSDP2 does (H7, H8); the full gradients are freed before it runs.
+            # One asynchronous collective over these gradients only, one after another, averaged (H7), in
+            # the reduce dtype (H8); the full gradients are freed before it runs.
             raise NotImplementedError("TODO(task1): start the reduce-scatter")
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         """The reduce-scatter is done: give each parameter its slice as sharded gradient."""
         # TODO(task1): finish the reduce-scatter
-        # Each parameter that was reduced gets its slice of the output, in its own dtype.
+        # Each parameter reduced gets its slice of the output (where its gradient sat in the input),
+        # in its own dtype.
         raise NotImplementedError("TODO(task1): finish the reduce-scatter")
 
 
@@ -482,8 +489,10 @@ class FSDPState:
 
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Runs when the gradient w.r.t. this module's output is ready, before its backward."""
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
-            return grad  # once per backward, however many outputs
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # Once per call's backward, however many outputs. A module called twice per forward runs
+            # backward twice: after its first post-backward (resharded, reduced) it gathers again, as FSDP2.
+            return grad
         self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.ctx
         if not ctx.final_callback_queued:
@@ -504,9 +513,9 @@ class FSDPState:
 
     def post_backward(self) -> None:
         """This group's backward is done: reshard and reduce-scatter its gradients."""
-        if self.training_state is TrainingState.POST_BACKWARD or self.group is None:
-            return
         self.training_state = TrainingState.POST_BACKWARD
+        if self.group is None:
+            return
         group = self.group
         with record_function(group.label("post_backward")):
             # TODO(bonus2): keep the parameters gathered after backward when asked
@@ -532,7 +541,8 @@ class FSDPState:
         with record_function("FSDP::root_post_backward_callback"):
             for state in ctx.states:
                 # The root's inputs (token ids) need no gradient, so its post-backward runs here.
-                state.post_backward()
+                if state.training_state is not TrainingState.POST_BACKWARD:
+                    state.post_backward()
             # TODO(task3): nothing may stay in flight after backward
             # The optimizer reads the sharded gradients next, and the next backward starts afresh.
             for state in ctx.states:
@@ -674,10 +684,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if mesh is None:
         device = next(module.parameters(), torch.empty(0)).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    params = []
-    for m, n, p, aliases in _managed_parameters(module):
-        params.append(FSDPParam(m, n, p, mesh, mp_policy))
-        params[-1].aliases = aliases
+    params = [FSDPParam(m, n, p, mesh, mp_policy, aliases) for m, n, p, aliases in _managed_parameters(module)]
     group = FSDPGroup(params, mesh) if params else None
     cls = module.__class__
     if cls not in _FSDP_CLASSES:  # one FSDP class per module class, as FSDP2

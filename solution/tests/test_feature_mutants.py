@@ -20,7 +20,7 @@ MUTANTS = {
     # No FSDPModule._apply: to_empty() leaves the group gathering from the meta shards.
     "no-to-empty": [("    def _apply(self, fn: Callable", "    def _apply_unused(self, fn: Callable")],
     # Tied weights: the second place holding the parameter is not re-pointed at the shard.
-    "no-tie-aliases": [("        params[-1].aliases = aliases\n", "")],
+    "no-tie-aliases": [("        self.aliases = aliases\n", "        self.aliases = []\n")],
 }
 
 

@@ -23,7 +23,7 @@ REEXPORT = "from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy,
 MUTANTS = {
     # Task 1 forward works, backward does not: the reduce-scatter is a TODO.
     "forward_only": [(
-        "            flat = torch.empty((self.world, self.shard_numel), dtype=self.reduce_dtype, device=self.device)\n",
+        "            flat = torch.empty((self.world, numel), dtype=self.reduce_dtype, device=self.device)\n",
         "            raise NotImplementedError('TODO(task1): reduce-scatter')\n")],
     "no_free_after_forward": [(
         "                if self.group.reshard_after_forward:\n                    self.group.reshard()\n",
@@ -40,8 +40,8 @@ MUTANTS = {
         "            flat = torch.empty(self.world * self.shard_numel, dtype=self.orig_dtype, device=self.device)\n")],
     # The sharded gradient negated: losses and grad norms as FSDP2's, the parameters not.
     "negate_sharded_grad": [(
-        "                p.set_sharded_grad(output[start:end])\n",
-        "                p.set_sharded_grad(-output[start:end])\n")],
+        "            p.set_sharded_grad(output[start:start + p.padded_numel])\n",
+        "            p.set_sharded_grad(-output[start:start + p.padded_numel])\n")],
 }
 # Doors a student might try to reach FSDP2 or the checks; each must be refused by the source check.
 CHEATS = {

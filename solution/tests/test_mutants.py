@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from harness import checks
+from harness.ranks import RankError
 from solution import make_skeleton
+from solution.tests import conformance
 from solution.tests.mutation import write_mutant
 
 SOLUTION = make_skeleton.SOLUTION
@@ -63,6 +65,27 @@ MUTANTS = {
         "                order[i + 1].unshard()\n",
         "                order[i + 1].unshard()\n                order[i + 1].wait_for_unshard()\n",
     ),
+    # A zero-filled reduce-scatter slot for every parameter of the group, gradient or not: frozen and
+    # unused parameters move the others, and gloo adds the ranks' values in another order there.
+    "zero-fill-every-slot": [
+        ("            numel = sum(p.padded_numel for p in params)\n"
+         "            flat = torch.empty((self.world, numel), dtype=self.reduce_dtype, device=self.device)\n"
+         "            start = 0\n"
+         "            for p, grad in zip(params, grads):\n",
+         "            numel = self.shard_numel\n"
+         "            flat = torch.zeros((self.world, numel), dtype=self.reduce_dtype, device=self.device)\n"
+         "            for p, grad in zip(params, grads):\n"
+         "                start = self.offsets[self.params.index(p)]\n"),
+        ("        start = 0\n        for p in pending.params:\n",
+         "        for p in pending.params:\n            start = self.offsets[self.params.index(p)]\n"),
+    ],
+    # One pre-backward per step: a module called twice per forward runs its second backward on
+    # parameters the first post-backward freed.
+    "pre-backward-once-per-step": (
+        "        if self.training_state is TrainingState.PRE_BACKWARD:\n            # Once per call's backward",
+        "        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):\n"
+        "            # Once per call's backward",
+    ),
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": (
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
@@ -103,6 +126,19 @@ def test_parity_check_fails(mutant, request, name, world, precision, message):
 def test_odd_shapes_check_fails(mutant, pool3):
     with pytest.raises(AssertionError, match="torch.chunk gives it"):
         checks.check_odd_shapes(pool3, mutant("tensor-split-rows"))
+
+
+def test_conformance_frozen_check_fails(mutant, pool2, pool3):
+    """Frozen parameters in a group: a slot for each in the reduce-scatter changes the bits at world
+    size 3 (at 2, a sum of two values is the same either way round)."""
+    with pytest.raises(AssertionError, match="frozen, world 3, .* differs from FSDP2's"):
+        conformance.check(pool3, "frozen", mutant("zero-fill-every-slot"), "bfloat16", "bfloat16")
+    conformance.check(pool2, "frozen", mutant("zero-fill-every-slot"), "bfloat16", "bfloat16")
+
+
+def test_conformance_twice_check_fails(mutant, pool2):
+    with pytest.raises(RankError, match="setStorage"):
+        conformance.check(pool2, "twice", mutant("pre-backward-once-per-step"), "float32", "float32")
 
 
 def test_predivide_is_invisible_at_world_2(mutant, pool2):
