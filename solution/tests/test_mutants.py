@@ -111,7 +111,9 @@ def test_every_mutant_still_mutates(mutant, name):
 
 
 @pytest.mark.parametrize("name, world, precision, message", [
-    ("predivide", 3, ("float32", "float32"), "differs at step"),
+    # Dividing first changes the rounding of the sum: a loss, a grad norm or (first, in torch 2.11) a
+    # shard differs by a few ulps.
+    ("predivide", 3, ("float32", "float32"), r"differs (at step|from FSDP2's after step)"),
     ("overwrite-grad", 2, ("float32", "float32"), "differs at step"),
     ("ignore-reduce-dtype", 2, ("bfloat16", "float32"), "differs at step"),
     ("tensor-split-rows", 3, ("float32", "float32"), "torch.chunk gives it"),
