@@ -37,6 +37,8 @@ from typing import Literal
 
 import train
 from harness import analysis, assets, impl, memory, model_setup
+from harness.collectives import measured_volume
+from harness.trace import KINDS, ROOT_GROUP
 from harness.ranks import RankPool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,9 +294,9 @@ def model_shapes(plan: Plan, n_layers: int | None = None) -> dict[str, list[tupl
     overrides = dict(plan.model, **({"n_layers": n_layers} if n_layers else {}))
     with torch.device("meta"):
         model = Transformer(model_setup.model_args("debug", plan.seq_len, assets.vocab_size(ROOT), **overrides))
-    groups: dict[str, list] = {analysis.ROOT_GROUP: []}
+    groups: dict[str, list] = {ROOT_GROUP: []}
     for name, p in model.named_parameters():
-        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else analysis.ROOT_GROUP
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ROOT_GROUP
         groups.setdefault(key, []).append(tuple(p.shape))
     return groups
 
@@ -315,8 +317,8 @@ def memory_model(groups: dict, world: int, activations: int) -> dict[str, int]:
     root kept gathered and two blocks gathered at once (current + prefetched), one block's
     reduce-scatter input and gloo's copy of it, and the activations (calibrated, see report)."""
     shard = sum(padded_numel(s, world) for shapes in groups.values() for s in shapes) * 4
-    blocks = [group_bytes(s, world) for k, s in groups.items() if k != analysis.ROOT_GROUP]
-    root = group_bytes(groups[analysis.ROOT_GROUP], world)
+    blocks = [group_bytes(s, world) for k, s in groups.items() if k != ROOT_GROUP]
+    root = group_bytes(groups[ROOT_GROUP], world)
     block = max(blocks) if blocks else 0
     return {"sharded params": shard, "grads": shard, "optimizer state": 2 * shard,
             "gathered params": root + 2 * block, "activations": activations, "comm buffers": 2 * block}
@@ -324,7 +326,7 @@ def memory_model(groups: dict, world: int, activations: int) -> dict[str, int]:
 
 def comm_volume(groups: dict, world: int) -> dict[str, tuple[int, int]]:
     """Per step (reshard_after_forward: blocks gathered twice, the root once): (count, bytes)."""
-    blocks = [k for k in groups if k != analysis.ROOT_GROUP]
+    blocks = [k for k in groups if k != ROOT_GROUP]
     total = sum(group_bytes(groups[k], world) for k in groups)
     block_bytes = sum(group_bytes(groups[k], world) for k in blocks)
     return {"all_gather": (len(groups) + len(blocks), total + block_bytes), "reduce_scatter": (len(groups), total)}
@@ -333,25 +335,6 @@ def comm_volume(groups: dict, world: int) -> dict[str, tuple[int, int]]:
 def all_gathers(groups: dict, reshard_after_forward: bool) -> int:
     """All-gathers per step: every group in forward; the blocks again in backward when resharded."""
     return len(groups) + (len(groups) - 1 if reshard_after_forward else 0)
-
-
-def measured_volume(trace_dir: Path) -> dict[str, tuple[float, float]]:
-    """Per step, mean over profiled steps and ranks: (count, bytes) of each collective, read off the
-    c10d ops' recorded shapes (all-gather: its output; reduce-scatter: its input)."""
-    sums: dict[str, list[float]] = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}
-    steps = 0
-    for path in analysis.rank_files(trace_dir, ".json"):
-        t = analysis.Trace(path)
-        steps += len(t.steps.ranges)
-        for op in t.ops:
-            kind, _, index = analysis.C10D_OPS[op["name"]]
-            if kind not in sums or t.steps.at(op["ts"]) is None:
-                continue
-            index = 0 if kind == "all_gather" else index
-            dims, dtype = op["args"]["Input Dims"][index], op["args"]["Input type"][index]
-            sums[kind][0] += 1
-            sums[kind][1] += math.prod(dims) * analysis.ITEMSIZE[dtype]
-    return {k: (c / steps, b / steps) for k, (c, b) in sums.items()}
 
 
 # --------------------------------------------------------------------------- checks
@@ -465,7 +448,7 @@ def main(args: Args) -> int:
         progress("profiled runs (traces: communication and hidden share)")
         for name in cfgs:
             comm = analysis.analyze_run(traces[name]).comm
-            coll = [comm.kind(k) for k in analysis.KINDS]
+            coll = [comm.kind(k) for k in KINDS]
             # Hidden share of the collectives that carry the model: DDP's gradient all-reduces, an
             # FSDP's all-gathers and reduce-scatters (the loss and grad-norm all-reduces are tiny).
             carried = [comm.all_reduce] if name == "none" else [comm.all_gather, comm.reduce_scatter]
@@ -659,7 +642,7 @@ def write(out: Path, data: dict, plan: Plan, groups: dict) -> None:
            f"Median over {plan.repeats} interleaved runs of each run's median step; ratio to FSDP2. Communication "
            "share: collective wall time (union of intervals per kind) / step time; hidden share: the part of "
            "the model's collectives (DDP: all-reduces; FSDP: all-gathers and reduce-scatters) during which "
-           "compute ran (harness/analysis.py, one profiled run each).", "",
+           "compute ran (harness/collectives.py, one profiled run each).", "",
            "| run | step (ms) | / FSDP2 | comm share | hidden share | all-gather hidden | reduce-scatter hidden |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in data["step_time"]:
