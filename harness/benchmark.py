@@ -13,7 +13,7 @@ process accumulated hit both alike. Reported as ratios hand-written / FSDP2 of t
     from separate runs with --exact-cpu-memory (slower, so not used for the step times); where
     that is unavailable (macOS) the speed runs' peak since the rank started, baseline included;
   * hidden: the fraction of all-gather / reduce-scatter time that ran while compute ran, from
-    one profiled run each (harness/analysis.py).
+    one profiled run each (harness/collectives.py).
 Targets: step time <= 0.95 on CPU (FSDP2 overlaps nothing there), <= 1.02 on CUDA; memory <= 1.00.
 """
 

@@ -8,6 +8,7 @@ meta-device init, the gathered groups (the root stays gathered; a block and the 
 next, with their full gradients), the activations backward needs (all of them, or with
 activation checkpointing only each block's input plus one block recomputed), the logits, and
 the process itself (torch and torchtitan loaded). Every rank on this machine needs that much.
+The sharded state and the gathered groups are harness/memory_model.py's, which the report shares.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-from harness import model_setup
+from harness import memory_model, model_setup
 
 PROCESS_BYTES = 700 * 2**20  # a rank with torch and torchtitan imported, before any model
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "none": 4}
@@ -38,9 +39,8 @@ def estimate(cfg, world_size: int, vocab_size: int) -> dict[str, int]:
     overrides = dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)  # the model the run asks for
     model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, torch.device("meta"), vocab_size, **overrides)
     args = model_setup.model_args(cfg.model, cfg.seq_len, vocab_size, **overrides)
-    total = sum(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in model.layers["0"].parameters())
-    root = total - block * len(model.layers)
+    groups = memory_model.group_shapes(model)
+    total = memory_model.numel(groups)
     hidden = model.layers["0"].feed_forward.w1.out_features
     sharded = cfg.fsdp != "none"
     world = world_size if sharded else 1
@@ -53,9 +53,14 @@ def estimate(cfg, world_size: int, vocab_size: int) -> dict[str, int]:
         activations = len(model.layers) * tokens * args.dim * compute + per_block
     else:
         activations = len(model.layers) * per_block
+    # Rank 0's sizes, padded as torch.chunk pads: the largest rank's, which is the one that must fit.
+    # Where W divides every parameter's rows (W = 1, 2, 4 for the course's models) they are exactly the
+    # 16 * total / W and compute * (root + 2 blocks) of before; elsewhere a plain division undercounts.
+    state = memory_model.per_rank(groups, world, activations=0).sharded_state
     parts = {
-        "parameters, gradients, AdamW state (float32)": 16 * total // world,
-        "gathered groups and their full gradients": 2 * compute * (root + 2 * block) if sharded else 4 * total,
+        "parameters, gradients, AdamW state (float32)": state,
+        "gathered groups and their full gradients": (2 * memory_model.gathered_bytes(groups, world, compute)
+                                                     if sharded else 4 * total),
         "activations": activations,
         "logits and their gradient (float32)": 3 * tokens * args.vocab_size * 4,
         "the process (torch, torchtitan)": PROCESS_BYTES,

@@ -92,6 +92,13 @@ def check_row_layout(model: nn.Module) -> None:
         agree(row_layout_error(model, "after wrapping"))
 
 
+def chunk_rows(rows: int, world: int, rank: int) -> int:
+    """The rows torch.chunk gives `rank` of `world`: ceil(rows / world) each, the last ranks fewer or
+    none. Shard(0)'s split; FSDP's collectives pad every rank's part to rank 0's rows."""
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
 def row_layout_error(model: nn.Module, when: str) -> str | None:
     """The first Shard(0) parameter whose local rows on this rank are not torch.chunk's, or None."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -99,8 +106,7 @@ def row_layout_error(model: nn.Module, when: str) -> str | None:
         if not (isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)):
             continue
         full, local = tuple(p.shape), tuple(p.to_local().shape)
-        chunk = -(-full[0] // world)
-        expected = (max(0, min(chunk, full[0] - rank * chunk)), *full[1:])
+        expected = (chunk_rows(full[0], world, rank), *full[1:])
         if local != expected:
             return (f"{when}: rank {rank} holds {local} of {name} {full}; torch.chunk gives it {expected} "
                     "(Shard(0) splits rows as torch.chunk does: README, Hints)")

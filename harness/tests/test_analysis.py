@@ -1,4 +1,5 @@
-"""analysis.py: on real CPU traces of FSDP2, and on small synthetic traces."""
+"""The trace analyses (harness/trace.py, collectives.py, schedule.py, memory_analysis.py and the
+analysis CLI): on real CPU traces of FSDP2, and on small synthetic traces."""
 
 import json
 import pickle
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import train
-from harness import analysis, checks, profiling
+from harness import analysis, checks, collectives, memory_analysis, profiling, schedule
+from harness.trace import KINDS, length, overlap, union
 
 MiB = 1 << 20
 
@@ -53,7 +55,7 @@ def assert_counts(run: analysis.RunStats) -> None:
 def assert_every_collective_found_running(run: analysis.RunStats) -> None:
     # Each c10d op was paired with the gloo range that ran it, so times are those of real work.
     for s in run.steps:
-        for kind in analysis.KINDS:
+        for kind in KINDS:
             for phase, comm in s.kind(kind).by_phase.items():
                 assert comm.timed == comm.count, (s.rank, s.step, kind, phase)
                 assert (comm.time_ms > 0) == (comm.count > 0)
@@ -124,14 +126,14 @@ def gloo_trace() -> dict:
 
 
 def test_interval_helpers():
-    spans = analysis.union([(5, 8), (0, 2), (1, 3), (8, 9)])
+    spans = union([(5, 8), (0, 2), (1, 3), (8, 9)])
     assert spans == [(0, 3), (5, 9)]
-    assert analysis.length(spans) == 7
-    assert analysis.overlap(spans, [(2, 6), (8.5, 20)]) == 1 + 1 + 0.5
+    assert length(spans) == 7
+    assert overlap(spans, [(2, 6), (8.5, 20)]) == 1 + 1 + 0.5
 
 
 def test_gloo_trace():
-    [s] = analysis.analyze_trace(gloo_trace())
+    [s] = collectives.analyze_trace(gloo_trace())
     assert s.step == 1 and s.step_ms == 1.0
     ag, rs, ar = s.all_gather, s.reduce_scatter, s.all_reduce
     assert ag.count_by_phase == {"forward": 1} and rs.count_by_phase == {"backward": 1}
@@ -160,7 +162,7 @@ def test_cuda_trace():
         kernel("void at::native::gemm(...)", 100, 200, 2, 7),
         kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...)", 500, 50, 3, 20),
     ]}
-    [s] = analysis.analyze_trace(trace)
+    [s] = collectives.analyze_trace(trace)
     assert s.all_gather.count_by_phase == {"forward": 1} and s.reduce_scatter.count_by_phase == {"backward": 1}
     assert s.all_gather.time_ms == pytest.approx(0.100) and s.all_gather.hidden_fraction == pytest.approx(0.5)
     assert s.reduce_scatter.time_ms == pytest.approx(0.050) and s.reduce_scatter.hidden_ms == 0
@@ -179,12 +181,12 @@ def memory_trace() -> dict:
 
 
 def test_untracked_blocks():
-    assert analysis.untracked_blocks(memory_trace()) == {(0xB, 30): 50, (0xC, 405): 400}
+    assert memory_analysis.untracked_blocks(memory_trace()) == {(0xB, 30): 50, (0xC, 405): 400}
 
 
 def test_memory_stats():
     trace = memory_trace()
-    m = analysis.analyze_memory(profiling.snapshot_from_chrome_trace(trace), trace)
+    m = memory_analysis.analyze_memory(profiling.snapshot_from_chrome_trace(trace), trace)
     # B's first block and C are left out; D (8 bytes) outlives the step.
     assert (m.peak_forward, m.peak_backward, m.peak_optimizer) == (100, 78, 78)
     assert m.peak == 100 and m.growth == [8] and m.untracked == [450]
@@ -198,7 +200,7 @@ def test_memory_stats_unix_time():
     snap = profiling.snapshot_from_chrome_trace(memory_trace())
     for e in snap["device_traces"][0]:
         e["time_us"] += 1_700_000_000 * 10**6
-    m = analysis.analyze_memory(snap, trace)
+    m = memory_analysis.analyze_memory(snap, trace)
     # Nothing is left out on CUDA (the allocator records every free): B until reused, C, D.
     assert (m.peak_forward, m.peak_backward, m.growth, m.untracked) == (150, 478, [408], [0])
 
@@ -272,7 +274,7 @@ def schedule_trace(wait_at_once: bool = False, blocking_issue: bool = False, red
 
 
 def overlapped(trace: dict, kind: str, phase: str) -> list[str]:
-    return [s.group for s in analysis.must_overlap([s for s in analysis.schedule(trace) if (s.kind, s.phase) == (kind, phase)])
+    return [s.group for s in schedule.must_overlap([s for s in schedule.schedule(trace) if (s.kind, s.phase) == (kind, phase)])
             if s.overlapped]
 
 
@@ -284,3 +286,14 @@ def test_schedule():
     assert overlapped(schedule_trace(wait_at_once=True), "all_gather", "forward") == ["layers.0"]
     assert overlapped(schedule_trace(blocking_issue=True), "all_gather", "forward") == ["layers.0"]
     assert overlapped(schedule_trace(reduce_done_at_once=True), "reduce_scatter", "backward") == []
+
+
+def test_marked_waits_puts_work_wait_back():
+    """The ranks run other jobs after a profiled one: Work.wait is marked only inside the `with`."""
+    import torch.distributed as dist
+
+    plain = dist.Work.wait
+    with pytest.raises(RuntimeError, match="training failed"), schedule.marked_waits():
+        assert dist.Work.wait is not plain
+        raise RuntimeError("training failed")
+    assert dist.Work.wait is plain

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from harness import analysis, compat, distributed, memory
+from harness import analysis, collectives, compat, distributed, memory
 from harness.errors import ConfigError
 from harness.ranks import PRELOAD, start_method
 
@@ -136,9 +136,9 @@ print("ok")
 
 
 def test_no_communication_is_not_zero_percent_hidden():
-    none, some = analysis.Comm(), analysis.Comm(count=2, time_ms=4.0, hidden_ms=1.0, timed=2)
+    none, some = collectives.Comm(), collectives.Comm(count=2, time_ms=4.0, hidden_ms=1.0, timed=2)
     assert none.hidden_text == "no communication" and some.hidden_text == "25%"
-    run = analysis.RunStats(comm=analysis.StepStats(rank=None, step=None, step_ms=10.0), memory=None,
+    run = analysis.RunStats(comm=collectives.StepStats(rank=None, step=None, step_ms=10.0), memory=None,
                             steps=[], memories=[])
     table = analysis.table({"fsdp2": run})
     assert re.search(r"reduce-scatter hidden +no communication", table), table

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import math
 import subprocess
@@ -10,74 +10,136 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.optim.optimizer as optim_hooks
 
 import train
+from harness import fit, memory_model, model_setup, report, report_jobs
 from harness import impl as impl_module
-from harness import model_setup, report
+from harness.memory_model import PerRank
+from harness.report_results import (
+    Environment, MemoryRow, Parts, Report, Reshard, StepTime, Volume, check, timing_warnings,
+)
 from harness.errors import ConfigError
 from harness.tests.test_platform import skip_unfinished
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def good_data() -> dict:
-    model = {"sharded params": 40, "grads": 40, "optimizer state": 80, "gathered params": 100,
-             "activations": 50, "comm buffers": 20}
-    parts = dict(model, **{"gathered params": 90, "params_numel": 10, "optimizer steps": 8})
-    return dict(
-        n_params=19,
-        comm_volume=[dict(run="effdl", kind="all_gather", measured_count=13.0, measured_bytes=100.0,
-                          analytic_count=13, analytic_bytes=100)],
-        reshard=[dict(run="effdl", reshard_after_forward=True, all_gathers=13.0, analytic_all_gathers=13),
-                 dict(run="effdl", reshard_after_forward=False, all_gathers=7.0, analytic_all_gathers=7)],
-        step_time=[dict(run="effdl", hidden_share=0.5), dict(run="noprefetch", hidden_share=0.1)],
+def good_report() -> Report:
+    model = PerRank(sharded_params=40, grads=40, optimizer_state=80, gathered_params=100, activations=50, comm_buffers=20)
+    parts = Parts(sharded_params=40, grads=40, optimizer_state=80, gathered_params=90, activations=50,
+                  params_numel=10, optimizer_steps=8)
+    return Report(
+        command="", impl="fsdp.py", device="cpu", plan=report.QUICK, n_params=19,
+        environment=Environment("3", "2", "0", "Linux", "cpu", 2, []),
+        comm_volume=[Volume("effdl", "all_gather", measured_count=13.0, measured_bytes=100.0, analytic_count=13,
+                            analytic_bytes=100)],
+        reshard=[Reshard("effdl", True, all_gathers=13.0, all_gather_bytes=1.0, analytic_all_gathers=13, peak=1),
+                 Reshard("effdl", False, all_gathers=7.0, all_gather_bytes=1.0, analytic_all_gathers=7, peak=1)],
+        step_time=[StepTime("effdl", 1.0, 1.0, 0.5, hidden_share=0.5, ag_hidden=0.5, rs_hidden=0.5),
+                   StepTime("noprefetch", 1.0, 1.0, 0.5, hidden_share=0.1, ag_hidden=0.1, rs_hidden=0.1)],
         losses={"fsdp2": [8.0, 7.5], "effdl": [8.0, 7.5], "noprefetch": [8.0, 7.5]},
-        memory=[dict(world=2, run="effdl", measured=1000, model=model, parts=parts,
-                     rank_sums=dict(parts, params_numel=19))],
+        memory=[MemoryRow(world=2, run="effdl", measured=1000, model=model, parts=parts,
+                          rank_sums=dataclasses.replace(parts, params_numel=19))],
     )
 
 
+def changed(r: Report, section: str, **fields) -> Report:
+    """The report with its section's first row changed (fields may be a callable of the row's value)."""
+    row = getattr(r, section)[0]
+    new = {k: v(getattr(row, k)) if callable(v) else v for k, v in fields.items()}
+    getattr(r, section)[0] = dataclasses.replace(row, **new)
+    return r
+
+
+def parts(**fields):
+    return lambda p: dataclasses.replace(p, **fields)
+
+
 def test_check_passes_good_numbers():
-    assert report.check(good_data()) == []
-    assert report.timing_warnings(good_data()) == []
+    assert check(good_report()) == []
+    assert timing_warnings(good_report()) == []
 
 
 @pytest.mark.parametrize("mutate, expected", [
-    (lambda d: d["comm_volume"][0].update(measured_bytes=150.0), "all_gather: measured 13 collectives, 150 B"),
-    (lambda d: d["comm_volume"][0].update(measured_count=12.0), "measured 12 collectives"),
+    (lambda r: changed(r, "comm_volume", measured_bytes=150.0), "all_gather: measured 13 collectives, 150 B"),
+    (lambda r: changed(r, "comm_volume", measured_count=12.0), "measured 12 collectives"),
     # the no-reshard-after-forward mutant: blocks stay gathered, backward gathers nothing
-    (lambda d: d["reshard"][0].update(all_gathers=7.0), "reshard_after_forward=True: 7 all-gathers per step, analytic 13"),
-    (lambda d: d["losses"]["effdl"].__setitem__(1, math.nan), "non-finite"),
-    (lambda d: d["losses"]["noprefetch"].__setitem__(1, 7.5000001), "noprefetch: losses [8.0, 7.5000001] are not bit-identical"),
-    (lambda d: d["memory"][0].update(measured=0), "measured peak 0 B"),
-    (lambda d: d["memory"][0]["parts"].update(grads=80), "measured grads 80 B on the largest rank, analytic 40 B"),
-    (lambda d: d["memory"][0]["parts"].update({"optimizer state": 120}), "measured optimizer state 120 B"),
-    (lambda d: d["memory"][0]["rank_sums"].update(params_numel=20), "shards hold 20 elements, the model has 19"),
-    (lambda d: d["memory"][0]["parts"].update(activations=0), "activations 0 B"),
+    (lambda r: changed(r, "reshard", all_gathers=7.0), "reshard_after_forward=True: 7 all-gathers per step, analytic 13"),
+    (lambda r: r.losses["effdl"].__setitem__(1, math.nan), "non-finite"),
+    (lambda r: r.losses["noprefetch"].__setitem__(1, 7.5000001), "noprefetch: losses [8.0, 7.5000001] are not bit-identical"),
+    (lambda r: changed(r, "memory", measured=0), "measured peak 0 B"),
+    (lambda r: changed(r, "memory", parts=parts(grads=80)), "measured grads 80 B on the largest rank, analytic 40 B"),
+    (lambda r: changed(r, "memory", parts=parts(optimizer_state=120)), "measured optimizer state 120 B"),
+    (lambda r: changed(r, "memory", rank_sums=parts(params_numel=20)), "shards hold 20 elements, the model has 19"),
+    (lambda r: changed(r, "memory", parts=parts(activations=0)), "activations 0 B"),
 ])
 def test_check_catches_mutants(mutate, expected):
-    data = copy.deepcopy(good_data())
-    mutate(data)
-    problems = report.check(data)
+    r = good_report()
+    mutate(r)
+    problems = check(r)
     assert len(problems) == 1 and expected in problems[0], problems
 
 
 def test_timings_only_warn():
     """A loaded machine can hide more without prefetch: said, never failed on."""
-    data = good_data()
-    data["step_time"][1]["hidden_share"] = 0.6
-    assert report.check(data) == []
-    (warning,) = report.timing_warnings(data)
+    r = good_report()
+    r.step_time[1] = dataclasses.replace(r.step_time[1], hidden_share=0.6)  # noprefetch
+    assert check(r) == []
+    (warning,) = timing_warnings(r)
     assert "hidden share without prefetch (60%) is not below with prefetch (50%)" in warning
 
 
 def test_analytic_volume_pads_like_torch_chunk():
     # 5 rows on 4 ranks: chunks of 2 rows, so every rank sends 2 x 3 elements: 4 x 6 x 4 bytes.
-    assert report.group_bytes([(5, 3)], 4) == 4 * 6 * 4
+    assert memory_model.group_bytes([(5, 3)], 4) == 4 * 6 * 4
     groups = {"<root>": [(5, 3)], "layers.0": [(4,)]}
     # forward gathers both groups, backward the block again; one reduce-scatter each.
-    assert report.comm_volume(groups, 4) == {"all_gather": (3, 96 + 16 + 16), "reduce_scatter": (2, 96 + 16)}
-    assert (report.all_gathers(groups, True), report.all_gathers(groups, False)) == (3, 2)
+    assert memory_model.comm_volume(groups, 4) == {"all_gather": (3, 96 + 16 + 16), "reduce_scatter": (2, 96 + 16)}
+    assert (memory_model.all_gathers(groups, True), memory_model.all_gathers(groups, False)) == (3, 2)
+    # torch.chunk's rows, the helper model_setup's layout check uses too: 5 rows on 4 ranks are 2, 2, 1, 0.
+    assert [model_setup.chunk_rows(5, 4, r) for r in range(4)] == [2, 2, 1, 0]
+    assert memory_model.reduce_scatter_input_bytes([(5, 3), (4,)], 4, torch.bfloat16) == 4 * (6 + 1) * 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_report_and_fit_share_one_memory_model(world):
+    """Where they overlap (the sharded state; the gathered groups, which fit doubles for their full
+    gradients), the report's analytic model and fit's estimate are the same numbers. W=3 pads."""
+    cfg = train.Config(fsdp="fsdp2", seq_len=64, dim=96, n_layers=3, n_heads=8)
+    estimate = fit.estimate(cfg, world, 2047)
+    groups = memory_model.model_groups("debug", 64, 2047, dim=96, n_layers=3, n_heads=8)
+    model = memory_model.per_rank(groups, world, activations=0)
+    assert estimate["parameters, gradients, AdamW state (float32)"] == model.sharded_state
+    assert estimate["gathered groups and their full gradients"] == 2 * model.gathered_params
+    assert model.comm_buffers == 2 * memory_model.reduce_scatter_input_bytes(groups["layers.0"], world, torch.float32)
+
+
+def test_measuring_leaves_torch_as_it_was():
+    """A rank runs other jobs after a report's: the optimizer hooks, the saved-tensor hooks and the
+    record_function wrapper of a measurement end with it, also when training fails."""
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # torch wraps AdamW.step once, at the first AdamW
+    adamw, adamw_step, record_function = torch.optim.AdamW, torch.optim.AdamW.step, torch.profiler.record_function
+    hooks = (dict(optim_hooks._global_optimizer_pre_hooks), dict(optim_hooks._global_optimizer_post_hooks))
+    parts = report_jobs.Components()
+    with pytest.raises(RuntimeError, match="training failed"), parts.measuring():
+        model = torch.nn.Linear(2, 2)
+        parts.attach(model, 0)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(1, 2, requires_grad=True)).sum().backward()
+        optimizer.step()
+        raise RuntimeError("training failed")
+    assert parts.result().optimizer_state == 2 * 6 * 4 and parts.result().grads == 6 * 4
+    with pytest.raises(RuntimeError, match="training failed"), report_jobs.phase_ranges(0.0, phases := []):
+        with torch.profiler.record_function("## forward ##"):
+            pass
+        raise RuntimeError("training failed")
+    assert [p[2] for p in phases] == ["forward"]
+    assert torch.optim.AdamW is adamw and torch.optim.AdamW.step is adamw_step
+    assert torch.profiler.record_function is record_function
+    assert (optim_hooks._global_optimizer_pre_hooks, optim_hooks._global_optimizer_post_hooks) == hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no saved-tensor hooks left open
 
 
 def test_no_prefetch_needs_the_hand_written_fsdp():

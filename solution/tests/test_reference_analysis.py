@@ -6,6 +6,7 @@ from harness import analysis
 from harness.tests.test_analysis import (
     FSDP2_MAX_HIDDEN, assert_counts, assert_every_collective_found_running, assert_memory, profiled_run,
 )
+from harness.trace import KINDS, ROOT_GROUP
 
 # The reference prefetches all-gathers and leaves reduce-scatters in flight. Over 9 runs on a
 # busy 2-core machine (mean of 2 ranks x 2 steps) it hid 0.30-0.58 of its forward all-gathers
@@ -27,7 +28,7 @@ def test_reference_issues_what_fsdp2_issues(runs):
     assert_counts(runs["reference"])
 
     def counts(run):
-        return [[s.kind(kind).count_by_phase for kind in analysis.KINDS] for s in run.steps]
+        return [[s.kind(kind).count_by_phase for kind in KINDS] for s in run.steps]
 
     assert counts(runs["reference"]) == counts(runs["fsdp2"])
 
@@ -52,5 +53,5 @@ def test_collectives_are_found_per_group_as_in_fsdp2(runs):
     analysis attributes each one to its group, and per group and phase they equal FSDP2's."""
     for name in ("fsdp2", "reference"):
         groups = {g for (kind, phase, g) in runs[name].comm.by_group}
-        assert groups == {analysis.ROOT_GROUP, *(f"layers.{i}" for i in range(6))}, (name, groups)
+        assert groups == {ROOT_GROUP, *(f"layers.{i}" for i in range(6))}, (name, groups)
     assert runs["reference"].comm.by_group == runs["fsdp2"].comm.by_group

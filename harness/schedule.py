@@ -1,0 +1,141 @@
+"""Overlap by order, what the graded overlap checks judge (harness/checks.py).
+
+`schedule` places each FSDP group's all-gather and reduce-scatter in the issuing thread's order:
+issued by the c10d op inside `FSDP::all_gather (G)` / `FSDP::post_backward_reduce (G)`, waited
+for at the next `FSDP::all_gather_copy_out (G)` / `FSDP::reduce_scatter_wait (G)` (the reference's
+PendingReduce.finish; `reduce_scatter_done` when it had already finished), or at once when a
+`Work.wait` range (`marked_waits`) follows the op inside its group range, or its own wait comes in
+the same FSDP hook. It is overlapped when aten compute outside `FSDP::` ranges ran in between.
+Unlike hidden time (harness/collectives.py), this depends only on the program, never on how
+threads were scheduled.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.trace import C10D_OPS, OTHER, ROOT_GROUP, Trace, inside, span_at, union
+
+# Where the main thread waited for a group's collective: the all-gather's copy-out (FSDP2's name),
+# and PendingReduce.finish's two ranges: `reduce_scatter_wait` when the reduce-scatter was still
+# running (the thread blocks), `reduce_scatter_done` when it had already finished (no wait).
+WAIT_RANGE = re.compile(r"^FSDP::(?P<what>all_gather_copy_out|reduce_scatter_wait|reduce_scatter_done)"
+                        r"(?: \((?P<fqn>.*)\))?$")
+
+
+@dataclass
+class Scheduled:
+    """One all-gather or reduce-scatter of an FSDP group, placed in the main thread's order."""
+
+    rank: int | None
+    step: int | None
+    phase: str
+    pass_start: float
+    """start of the `## forward ##` / `## backward ##` range it was issued in: one pass."""
+    kind: str
+    group: str
+    issued: float
+    waited: float | None
+    """start of the range where the thread waited for it; None if it never did (or not via FSDP's ranges)."""
+    blocked: bool
+    """the thread had to wait (False: a reduce-scatter found already finished, see WAIT_RANGE)."""
+    overlapped: bool
+    """compute of another group ran on the thread between issue and wait, or it never blocked."""
+
+
+BLOCKING_WAIT, DONE_WAIT = "Work.wait (blocking)", "Work.wait (done)"
+
+
+@contextlib.contextmanager
+def marked_waits():
+    """Every `Work.wait()` of the process shows in the trace as a range, named for whether the
+    work was still running: a wait right after the issue, inside the same FSDP range (a blocking
+    all-gather, `async_op=False`), is then seen even when no FSDP range marks it. Only inside the
+    `with`: the ranks run other jobs afterwards, so the plain method is put back however it ends."""
+    work = torch.distributed.Work
+    plain = work.wait
+
+    def wait(self, *args, **kwargs):
+        with torch.profiler.record_function(DONE_WAIT if self.is_completed() else BLOCKING_WAIT):
+            return plain(self, *args, **kwargs)
+
+    work.wait = wait
+    try:
+        yield
+    finally:
+        work.wait = plain
+
+
+def schedule(trace: Trace | str | Path | dict) -> list[Scheduled]:
+    """Every collective issued inside an FSDP group's range, with whether compute ran between its
+    issue and its wait. Compute: aten ops on the issuing thread outside every `FSDP::` range and
+    c10d op, i.e. what modules compute (another group's: this group's parameters are not gathered
+    yet, or its gradients already reduced). Only order counts, not durations: for a given program
+    the verdict does not depend on how threads were scheduled."""
+    t = trace if isinstance(trace, Trace) else Trace(trace)
+    out = []
+    for thread in {(op["pid"], op["tid"]) for op in t.ops}:
+        on = [e for e in t.ranges if (e["pid"], e["tid"]) == thread]
+        fsdp = union((e["ts"], e["ts"] + e["dur"]) for e in on
+                     if e.get("cat") == "user_annotation" and e["name"].startswith("FSDP::"))
+        c10d = union((e["ts"], e["ts"] + e["dur"]) for e in on if e["name"].startswith(("c10d::", "_c10d_functional::")))
+        compute = sorted(e["ts"] for e in on if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
+                         and not inside(e["ts"], fsdp) and not inside(e["ts"], c10d))
+        waits: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)  # (kind, group) -> (ts, what)
+        for e in on:
+            if e.get("cat") == "user_annotation" and (m := WAIT_RANGE.match(e["name"])):
+                kind = "all_gather" if m["what"] == "all_gather_copy_out" else "reduce_scatter"
+                waits[kind, m["fqn"] or ROOT_GROUP].append((e["ts"], m["what"]))
+        for ranges in waits.values():
+            ranges.sort()
+        issues: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for op in (op for op in t.ops if (op["pid"], op["tid"]) == thread):
+            if (group := t.group_of(op)) is not None and C10D_OPS[op["name"]][0] in ("all_gather", "reduce_scatter"):
+                issues[C10D_OPS[op["name"]][0], group].append(op)
+        any_wait = sorted(e["ts"] for e in on if e["name"] in (BLOCKING_WAIT, DONE_WAIT))
+        group_ranges = t.groups.get(thread)
+        for (kind, group), ops in issues.items():
+            for k, op in enumerate(ops):
+                end = op["ts"] + op["dur"]
+                before = ops[k + 1]["ts"] if k + 1 < len(ops) else float("inf")  # its wait precedes the next issue
+                candidates = waits[kind, group]
+                i = bisect.bisect_left(candidates, (end, ""))
+                waited, what = candidates[i] if i < len(candidates) and candidates[i][0] < before else (None, None)
+                # Waited at once: any Work.wait before its group range ends (a blocking collective), or
+                # its own wait in the same FSDP hook (outermost FSDP range) that issued it.
+                issuing = next(((s, e) for s, e, _ in group_ranges.ranges if s <= op["ts"] <= e), None)
+                j = bisect.bisect_left(any_wait, end)
+                hook = span_at(fsdp, op["ts"])
+                if issuing and j < len(any_wait) and any_wait[j] <= issuing[1]:
+                    waited, what = any_wait[j], "at once"
+                elif waited is not None and hook and waited <= hook[1]:
+                    what = "at once"
+                blocked = what != "reduce_scatter_done"
+                ran = (waited is not None and what != "at once"
+                       and bisect.bisect_left(compute, end) < bisect.bisect_left(compute, waited))
+                phase_range = next(((s, e) for s, e, _ in t.phases.ranges if s <= op["ts"] <= e), None)
+                out.append(Scheduled(t.rank, t.steps.at(op["ts"]), t.phases.at(op["ts"], OTHER),
+                                     phase_range[0] if phase_range else -1.0, kind, group, op["ts"], waited,
+                                     blocked, ran or what == "reduce_scatter_done"))
+    return sorted(out, key=lambda s: (s.rank or 0, s.issued))
+
+
+def must_overlap(scheduled: list[Scheduled]) -> list[Scheduled]:
+    """Those of one kind and phase that FSDP's schedule can overlap: per pass, every all-gather but
+    the first issued (no group ran before it in that pass to hide it; FSDP2 prefetches only within
+    a pass) and every reduce-scatter but the last (the last group's: backward ends with it)."""
+    passes: dict[tuple, list[Scheduled]] = defaultdict(list)
+    for s in scheduled:
+        passes[s.rank, s.pass_start].append(s)
+    out = []
+    for ops in passes.values():
+        ops.sort(key=lambda s: s.issued)
+        out += ops[1:] if ops[0].kind == "all_gather" else ops[:-1]
+    return out
