@@ -78,3 +78,23 @@ def test_bad_input_stops_with_one_error_line(tmp_path, capsys):
         grade.cli([str(tmp_path / "missing.txt")])
     err = capsys.readouterr().err
     assert e.value.code == BAD_INPUT and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("gpus, flag, world, device", [
+    (0, "auto", 2, "cpu"), (1, "auto", 2, "cpu"), (2, "auto", 2, "cuda"), (8, "auto", 4, "cuda"),
+    (0, "cpu", 2, "cpu"), (8, "cpu", 2, "cpu"), (1, "cuda", 1, "cuda"), (0, "cuda", 1, None), (2, "cuda", 4, None),
+])
+def test_pool_device_is_auto_as_train_py(monkeypatch, gpus, flag, world, device):
+    """--device of the tools that start their own ranks: auto is CUDA only with a GPU per rank."""
+    import torch
+
+    from harness.distributed import pool_device
+    from harness.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if device is None:
+        with pytest.raises(ConfigError, match="--device cuda needs one GPU per rank"):
+            pool_device(flag, world)
+    else:
+        assert pool_device(flag, world) == device
