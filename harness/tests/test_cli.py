@@ -27,7 +27,7 @@ TOOLS = {
     "harness.report": True,
 }
 # names the shared flags replaced: each must not come back
-RETIRED = {"--output", "--world", "--dest", "--fsdp-file", "--file"}
+RETIRED = {"--output", "--world"}
 
 
 def tool_help(module: str, monkeypatch, capsys) -> str:
