@@ -18,11 +18,15 @@ Each rank's trace is read once (harness/trace.py); this module puts the ranks of
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
+import tyro
+
+from harness.cli import parse
 from harness.collectives import StepStats, analyze_trace, mean
+from harness.errors import BAD_INPUT, stop
 from harness.memory_analysis import MemoryStats, analyze_memory
 from harness.schedule import Scheduled, must_overlap, schedule
 from harness.trace import KINDS, OTHER, PHASES, Trace, rank_files
@@ -123,19 +127,29 @@ def table(runs: dict[str, RunStats]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Collectives, overlap and memory of profiled runs, side by side.")
-    parser.add_argument("traces", nargs="+", type=Path, help="trace directories with rank{r}.json, e.g. traces/fsdp2")
-    parser.add_argument("--snapshots", nargs="+", type=Path,
-                        help="snapshot directories, one per trace directory (default: traces/X -> snapshots/X)")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class Args:
+    """Collectives, overlap and memory of profiled runs, side by side."""
+
+    traces: Annotated[tuple[Path, ...], tyro.conf.Positional, tyro.conf.arg(metavar="TRACES...")]
+    """trace directories with rank{r}.json, e.g. traces/fsdp2 traces/effdl."""
+    snapshots: tuple[Path, ...] | None = None
+    """snapshot directories, one per trace directory (default: traces/X -> snapshots/X, left out
+    where absent or from an older run)."""
+
+
+def main(args: Args) -> None:
+    if not args.traces:  # tyro accepts an empty tuple; a table of nothing helps no one
+        stop("no trace directory given: name one or more, e.g. traces/fsdp2 traces/effdl", BAD_INPUT)
     snapshots = args.snapshots or [snapshots_dir_for(t) for t in args.traces]
     if len(snapshots) != len(args.traces):
-        parser.error("give one snapshot directory per trace directory")
+        stop(f"{len(args.traces)} trace directories but {len(snapshots)} --snapshots: give one snapshot directory "
+             "per trace directory, in the same order", BAD_INPUT)
     missing = [str(t) for t in args.traces if not t.is_dir()]
     missing += [str(s) for s in (args.snapshots or []) if not s.is_dir()]  # asked for explicitly
     if missing:
-        parser.error(f"no such directory: {', '.join(missing)} (train.py writes traces/<fsdp> and snapshots/<fsdp>)")
+        stop(f"no such directory: {', '.join(missing)} (train.py writes traces/<fsdp> and snapshots/<fsdp>)",
+             BAD_INPUT)
     runs = {}
     for traces, snaps in zip(args.traces, snapshots):
         name = traces.name or str(traces)
@@ -144,9 +158,13 @@ def main(argv: list[str] | None = None) -> None:
         try:
             runs[name] = analyze_run(traces, snaps if snaps.is_dir() else None, snapshots_optional=not args.snapshots)
         except ValueError as e:  # traces or snapshots not written as train.py writes them
-            parser.error(str(e))
+            stop(str(e), BAD_INPUT)
     print(table(runs))
 
 
+def cli(argv: list[str] | None = None) -> None:
+    main(parse(Args, argv, prog="python -m harness.analysis"))
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -24,13 +24,15 @@ import hashlib
 import json
 import os
 import platform
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from harness.cli import parse
+from harness.errors import FAILED, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -286,7 +288,7 @@ def describe(root: Path = ROOT) -> str:
     return "\n".join(lines)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Args:
     """Build the training data (c4_test/) and tokenizer (tokenizer/)."""
 
@@ -311,10 +313,12 @@ def main(args: Args) -> None:
             print(f"assets: wrote c4_test/ and tokenizer/ in {root} from {origin}")
         print(describe(root))
     except AssetError as e:
-        sys.exit(f"assets: error: {e}")
+        stop(str(e), FAILED)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    main(parse(Args, argv, prog="python -m harness.assets"))
 
 
 if __name__ == "__main__":
-    import tyro
-
-    main(tyro.cli(Args))
+    cli()

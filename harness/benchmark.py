@@ -1,7 +1,7 @@
 """Speed, memory and overlap of the hand-written FSDP against FSDP2, in one interleaved run.
 
-    uv run python -m harness.benchmark                       # debug model, seq 256 and 1024, 2 CPU ranks
-    uv run python -m harness.benchmark --device cuda         # one rank per GPU, NCCL
+    uv run python -m harness.benchmark                       # debug model, seq 256 and 1024: every GPU, else 2 CPU ranks
+    uv run python -m harness.benchmark --device cpu          # 2 CPU ranks, gloo, even on a machine with GPUs
     uv run python -m harness.benchmark --impl student --seq-lens 256
 
 For each sequence length, FSDP2 and the hand-written FSDP alternate (A B, B A, A B, ...), each
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,22 +28,30 @@ from typing import Literal
 
 import train
 from harness import analysis, impl, memory
-from harness.ranks import RankPool
+from harness.cli import parse
+from harness.distributed import pool_device
+from harness.errors import BAD_INPUT, FAILED, ConfigError, stop
+from harness.ranks import RankError, RankPool
 
 TARGETS = {"cpu": 0.95, "cuda": 1.02}
 
 
 @dataclass(frozen=True)
 class Args:
+    """Step time, peak memory and overlap of the FSDP under test against FSDP2, as ratios of medians
+    over interleaved runs."""
+
     impl: str = "student"
-    """hand-written FSDP: student (fsdp.py) or the path of a .py file."""
+    """the FSDP under test: student (fsdp.py) or the path of a .py file."""
     seq_lens: tuple[int, ...] = (256, 1024)
     model: Literal["debug", "1b"] = "debug"
     batch_size: int = 2
     num_steps: int = 6
     repeats: int = 3
     """runs of each implementation per sequence length (interleaved)."""
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA + NCCL when there is a GPU per rank (--world-size of them, or 2 when it is not
+    given), else CPU + gloo."""
     world_size: int | None = None
     """default: 2 on CPU, every GPU on CUDA."""
     param_dtype: Literal["float32", "bfloat16", "none"] = "none"
@@ -62,10 +69,10 @@ def main(args: Args) -> int:
     import torch
 
     path = impl.impl_path(args.impl)
-    world = args.world_size or (2 if args.device == "cpu" else torch.cuda.device_count())
-    if args.device == "cuda" and torch.cuda.device_count() < world:
-        print(f"error: --device cuda needs {world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
-        return 2
+    # auto weighs 2 ranks when none are asked for (1 would compare nothing); explicit cuda needs 1 GPU
+    device = pool_device(args.device, args.world_size or (1 if args.device == "cuda" else 2))
+    world = args.world_size or (torch.cuda.device_count() if device == "cuda" else 2)
+    args = dataclasses.replace(args, device=device)
     print(f"benchmark: {args.model} model, {world} x {args.device}, batch {args.batch_size}, {args.num_steps} "
           f"steps (first skipped), {args.repeats} interleaved runs each; hand-written: {args.impl} "
           f"({path})", flush=True)
@@ -123,7 +130,17 @@ def main(args: Args) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    import tyro
+def cli(argv: list[str] | None = None) -> None:
+    args = parse(Args, argv, prog="python -m harness.benchmark")
+    try:
+        main(args)
+    except ConfigError as e:  # --impl or --device as given cannot run; the message says how to fix it
+        stop(str(e), BAD_INPUT)
+    except RankError as e:
+        if not (todo := impl.todo_reached(e)):
+            raise
+        stop(f"{todo} (in {impl.impl_path(args.impl)}): the benchmark needs a file that trains (task 1 done)", FAILED)
 
-    sys.exit(main(tyro.cli(Args)))
+
+if __name__ == "__main__":
+    cli()

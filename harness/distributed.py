@@ -39,6 +39,16 @@ def pick_device(flag: str) -> torch.device:
     return torch.device("cpu")
 
 
+def pool_device(flag: str, world_size: int) -> str:
+    """The device of `world_size` ranks started on this machine (a RankPool), chosen as each rank's
+    pick_device chooses: auto is CUDA when there is a GPU per rank, else CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if flag == "cuda" and gpus < world_size:
+        raise ConfigError(f"--device cuda needs one GPU per rank: found {gpus} GPU(s) for {world_size} rank(s); "
+                          "use --device cpu (gloo) or auto")
+    return "cuda" if flag == "cuda" or (flag == "auto" and gpus >= world_size) else "cpu"
+
+
 def deterministic_cuda() -> None:
     """The settings torchtitan's `--debug.deterministic` makes (torchtitan/distributed/utils.py),
     so that a CUDA run repeats bit for bit and FSDP2 and a hand-written FSDP, running the same

@@ -1,12 +1,24 @@
-"""Errors the harness reports to a person, each saying what is wrong and how to fix it."""
+"""Errors the harness reports to a person, each saying what is wrong and how to fix it.
+
+Every command (train.py and each `python -m` tool) ends on an error the same way: `stop()`.
+"""
+
+from typing import NoReturn
 
 
 class ConfigError(ValueError):
     """A flag combination that cannot run; the message says which and how to fix it."""
 
 
-def stop(message: str, exit_code: int = 1) -> None:
-    """Print `message` as one `error:` line and exit with `exit_code`, leaving no traceback.
+# stop()'s exit codes, as argparse and tyro use them: 2 when what was asked cannot be done as
+# given (a flag, a path), 1 when it was tried and failed.
+BAD_INPUT = 2
+FAILED = 1
+
+
+def stop(message: str, exit_code: int = FAILED) -> NoReturn:
+    """Print `message` as one `error:` line on stderr and exit with `exit_code` (BAD_INPUT or
+    FAILED), leaving no traceback.
 
     Under torchrun every rank reaches here alike; only rank 0 prints. torchrun always ends a
     failed run with its own summary (it cannot be turned off short of exiting 0, which would

@@ -1,7 +1,7 @@
 """Grade submissions: one file or a folder of them -> one CSV row each (points per task).
 
-    uv run python -m harness.grade submissions/ -o points.csv
-    uv run python -m harness.grade alice_fsdp.py
+    uv run python -m harness.grade submissions/ --out points.csv
+    uv run python -m harness.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
 
 Each submission runs `pytest test.py --impl FILE` in its own process group with a time limit, so
 one that hangs or crashes costs only its own row.
@@ -9,7 +9,6 @@ one that hangs or crashes costs only its own row.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -17,11 +16,31 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import tyro
+
+from harness.cli import parse
+from harness.errors import BAD_INPUT, stop
 from harness.points import LINES
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Args:
+    """Grade submissions: one file or a folder of them -> one CSV row each (points per task).
+    Arguments after `--` go to pytest, e.g. `-- -m task1`."""
+
+    submissions: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="SUBMISSIONS")]
+    """a .py file, or a folder of them."""
+    out: Path | None = None
+    """CSV file to write (default: stdout)."""
+    timeout: float = 1200
+    """seconds per submission: one that takes longer (hung?) gets no points."""
+    pytest_args: tyro.conf.Suppress[tuple[str, ...]] = ()
 
 
 def grade(path: Path, timeout: float, pytest_args: list[str]) -> dict:
@@ -52,36 +71,32 @@ def grade(path: Path, timeout: float, pytest_args: list[str]) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("submissions", type=Path, help="a .py file, or a folder of them")
-    parser.add_argument("-o", "--output", type=Path, default=None, help="CSV file (default: stdout)")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per submission (default 1200)")
-    parser.epilog = "Arguments after -- go to pytest, e.g. -- -m task1"
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cut = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:cut])
-    args.pytest_args = argv[cut + 1:]  # argparse would bind them to no positional after another
+def main(args: Args) -> None:
+    if not args.submissions.exists():
+        stop(f"{args.submissions} does not exist: give a .py submission or a folder of them", BAD_INPUT)
     if args.submissions.is_dir():
         files = sorted(args.submissions.glob("*.py"))
-    elif args.submissions.suffix == ".py" and args.submissions.exists():
+        if not files:
+            stop(f"{args.submissions} has no .py files: give a folder of submissions, or one .py file", BAD_INPUT)
+    elif args.submissions.suffix == ".py":
         files = [args.submissions]
     else:
-        parser.error(f"{args.submissions}: give a .py submission or a folder of them")
-    if not files:
-        parser.error(f"{args.submissions}: no .py files in it")
+        stop(f"{args.submissions} is not a .py file: give a .py submission or a folder of them", BAD_INPUT)
     fields = ["submission", *(line.name for line in LINES), "total", "failures"]
-    out = open(args.output, "w", newline="") if args.output else sys.stdout
+    out = open(args.out, "w", newline="") if args.out else sys.stdout
     writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()
     for path in files:
         print(f"grading {path}", file=sys.stderr, flush=True)
-        writer.writerow(grade(path, args.timeout, args.pytest_args))
+        writer.writerow(grade(path, args.timeout, list(args.pytest_args)))
         out.flush()
     if out is not sys.stdout:
         out.close()
-    return 0
+
+
+def cli(argv: list[str] | None = None) -> None:
+    main(parse(Args, argv, prog="python -m harness.grade"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -2,6 +2,7 @@
 
     uv run python -m harness.handin                      # fsdp.py, into handin/
     uv run python -m harness.handin --impl my_fsdp.py --out handin/
+    uv run python -m harness.handin -- -m task1          # arguments after -- go to pytest
 
 It writes
   points.json, test-output.txt   the points table of `pytest test.py` (and its whole output);
@@ -15,17 +16,42 @@ A run of your FSDP that fails (a TODO, a bug) is reported in SUMMARY.md; the res
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from harness.cli import parse  # noqa: E402
+from harness.errors import BAD_INPUT, ConfigError, stop  # noqa: E402
+
 BONUSES = ("bonus1", "bonus2", "bonus3")
+
+
+@dataclass(frozen=True)
+class Args:
+    """Hand-in: everything the handout asks students to attach (the points table, profiled runs of
+    FSDP2 and of your FSDP, SUMMARY.md), written into one folder. Arguments after `--` go to
+    pytest, e.g. `-- -m task1`."""
+
+    impl: str = "student"
+    """the FSDP under test: student (fsdp.py) or the path of a .py file."""
+    out: Path = ROOT / "handin"
+    """folder to write."""
+    world_size: int = 2
+    """ranks of the profiled runs."""
+    runs: tuple[Literal["tasks", "bonus1", "bonus2", "bonus3"], ...] | None = None
+    """only these profiled runs (default: tasks and every attempted bonus)."""
+    tests: bool = True
+    """run pytest test.py for the points table (--no-tests skips it)."""
+    pytest_args: tyro.conf.Suppress[tuple[str, ...]] = ()
 
 
 def run_tests(impl: str, out: Path, pytest_args: list[str]) -> dict | None:
@@ -46,13 +72,13 @@ def attempted_bonuses(impl_file: Path, points: dict | None) -> list[str]:
     return [b for b in BONUSES if earned.get(b) or f"TODO({b})" not in source]
 
 
-def profile_runs(impl: str, out: Path, runs: list[str], world: int) -> list[str]:
+def profile_runs(impl: str, out: Path, runs: list[str], world_size: int) -> list[str]:
     """Profiled runs of FSDP2 and of the hand-written FSDP; the failures, one line each."""
     from harness import checks
     from harness.ranks import RankError, RankPool
 
     failures = []
-    with RankPool(world) as pool:
+    with RankPool(world_size) as pool:
         for name in runs:
             flags = {} if name == "tasks" else checks.MODES[name].flags
             cfg = checks.config(impl, num_steps=3, profile_steps=2, **flags)
@@ -69,39 +95,25 @@ def profile_runs(impl: str, out: Path, runs: list[str], world: int) -> list[str]
     return failures
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", default="student", help="student (fsdp.py, the default) or a .py file")
-    parser.add_argument("--out", type=Path, default=ROOT / "handin", help="folder to write (default handin/)")
-    parser.add_argument("--world", type=int, default=2, help="ranks of the profiled runs (default 2)")
-    parser.add_argument("--runs", nargs="+", choices=("tasks", *BONUSES), default=None,
-                        help="only these profiled runs (default: tasks and every attempted bonus)")
-    parser.add_argument("--no-tests", action="store_true", help="skip pytest (no points table)")
-    parser.epilog = "Arguments after -- go to pytest, e.g. -- -m task1"
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cut = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:cut])
-    args.pytest_args = argv[cut + 1:]  # argparse would bind them to no positional after another
-
-    from harness.errors import ConfigError
+def main(args: Args) -> None:
     from harness.impl import impl_path
 
     try:
         impl_file = impl_path(args.impl)
     except ConfigError as e:  # it says what is wrong with the name and how to fix it
-        parser.error(str(e))
+        stop(str(e), BAD_INPUT)
     impl = "student" if args.impl == "student" else str(impl_file.resolve())
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    points = None if args.no_tests else run_tests(impl, out, args.pytest_args)
+    points = run_tests(impl, out, list(args.pytest_args)) if args.tests else None
     bonuses = attempted_bonuses(impl_file, points)
     runs = args.runs or ["tasks", *bonuses]
-    failures = profile_runs(impl, out, runs, args.world)
+    failures = profile_runs(impl, out, runs, args.world_size)
 
     lines = [f"# Hand-in of {impl_file}", ""]
     if points is None:
-        lines += ["No points table: " + ("--no-tests." if args.no_tests else "pytest wrote none (see test-output.txt)."), ""]
+        lines += ["No points table: " + ("--no-tests." if not args.tests else "pytest wrote none (see test-output.txt)."), ""]
     else:
         lines += ["| task | points | evidence |", "|---|---|---|"]
         lines += [f"| {r['task']} | {'-' if r['earned'] is None else r['earned']} / {r['max']} | {r['evidence']} |"
@@ -116,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "Runs that failed:", ""] + [f"- {f}" for f in failures]
     (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out} ({len(failures)} failed run(s); see {out / 'SUMMARY.md'})")
-    return 0
+
+
+def cli(argv: list[str] | None = None) -> None:
+    main(parse(Args, argv, prog="python -m harness.handin"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -69,6 +69,13 @@ def fsdp2() -> ModuleType:
     return importlib.import_module("torch.distributed.fsdp")
 
 
+def todo_reached(error: BaseException) -> str | None:
+    """The `TODO(...)` a rank stopped at, from the traceback text a RankError carries; None if the
+    error is anything else (a real bug, which deserves its traceback)."""
+    todo = [line for line in str(error).splitlines() if "NotImplementedError: TODO(" in line]
+    return todo[-1].split(": ", 1)[1] if todo else None
+
+
 class FeatureError(RuntimeError):
     """The hand-written FSDP crashed in a way that means it lacks a training feature."""
 

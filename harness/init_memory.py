@@ -6,22 +6,23 @@ from __future__ import annotations
 import torch
 
 from harness import model_setup
+from harness.cli import parse
 from harness.fit import estimate
 
 
-def measure_init(argv: list[str] | None = None) -> None:
+def main(cfg) -> None:
     """Peak memory of initialisation per rank, next to the estimate; run it under torchrun:
 
         uv run torchrun --nproc-per-node 2 -m harness.init_memory --model 1b [--fsdp effdl] [--no-meta-init]
+
+    Its flags are train.py's (cfg: a train.Config); those that shape the model and its wrapping count.
     """
     import torch.distributed as dist
-    import tyro
 
     import train
     from harness import assets, memory
     from harness.distributed import init_distributed, shutdown_distributed
 
-    cfg = tyro.cli(train.Config, args=argv)
     device = init_distributed(cfg.device)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -50,5 +51,15 @@ def measure_init(argv: list[str] | None = None) -> None:
         shutdown_distributed()
 
 
+def cli(argv: list[str] | None = None) -> None:
+    import train
+    from harness.errors import BAD_INPUT, ConfigError, stop
+
+    try:
+        main(parse(train.Config, argv, prog="torchrun --nproc-per-node N -m harness.init_memory"))
+    except ConfigError as e:  # a flag combination that cannot run; the message says how to fix it
+        stop(str(e), BAD_INPUT)
+
+
 if __name__ == "__main__":
-    measure_init()
+    cli()

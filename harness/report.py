@@ -39,7 +39,10 @@ from typing import Literal
 import train
 from harness import assets, impl, memory_model
 from harness.analysis import analyze_run
+from harness.cli import parse
 from harness.collectives import measured_volume
+from harness.distributed import pool_device
+from harness.errors import BAD_INPUT, FAILED, ConfigError, stop
 from harness.ranks import RankPool
 from harness.report_jobs import comm_job, timeline_job, train_job
 from harness.report_results import (
@@ -65,8 +68,9 @@ class Args:
     """a 2-block dim-128 model, one run of each, 3 message sizes: about a minute on 2 cores (the test
     runs it). Default, the full report: debugmodel, 3 repeats, 4 KiB..32 MiB, about 5 minutes."""
     out: Path = ROOT / "report"
+    """folder to write: report.md, report.json and the PNG plots."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto: CUDA when the machine has a GPU per rank for the largest world size, else CPU."""
+    """auto: CUDA + NCCL when the machine has a GPU per rank for the largest world size (4), else CPU + gloo."""
 
 
 # quick: a 2-block, dim-128 model, 4 steps, one run each, 3 message sizes (about a minute on 2 cores);
@@ -263,17 +267,9 @@ def measure(args: Args, plan: Plan, device: str, out: Path, progress: Progress) 
 
 
 def main(args: Args) -> int:
-    import torch
-
     plan = QUICK if args.quick else FULL
     path = impl.impl_path(args.impl)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= max(plan.worlds) else "cpu"
-    if device == "cuda" and torch.cuda.device_count() < max(plan.worlds):
-        print(f"error: --device cuda needs {max(plan.worlds)} GPUs (one per rank), found "
-              f"{torch.cuda.device_count()}; use --device cpu", file=sys.stderr)
-        return 2
+    device = pool_device(args.device, max(plan.worlds))
     assets.ensure(ROOT)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,28 +284,25 @@ def main(args: Args) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     for problem in checks:
         print(f"check failed: {problem}", file=sys.stderr)
-    return 1 if checks else 0
+    if checks:
+        stop(f"{len(checks)} check(s) on the measured facts failed (listed above and in {out / 'report.md'}): "
+             "the FSDP under test does not do what FSDP2 does there", FAILED)
+    return 0
 
 
-def cli(args: Args) -> int:
-    from harness.errors import ConfigError
+def cli(argv: list[str] | None = None) -> None:
     from harness.ranks import RankError
 
+    args = parse(Args, argv, prog="python -m harness.report")
     try:
-        return main(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        main(args)
+    except ConfigError as e:  # --impl or --device as given cannot run; the message says how to fix it
+        stop(str(e), BAD_INPUT)
     except RankError as e:
-        todo = [line for line in str(e).splitlines() if "NotImplementedError: TODO(" in line]
-        if not todo:
+        if not (todo := impl.todo_reached(e)):
             raise
-        print(f"error: {todo[-1].split(': ', 1)[1]} (in {impl.impl_path(args.impl)}): the report needs a file that "
-              "trains (task 1 done)", file=sys.stderr)
-        return 1
+        stop(f"{todo} (in {impl.impl_path(args.impl)}): the report needs a file that trains (task 1 done)", FAILED)
 
 
 if __name__ == "__main__":
-    import tyro
-
-    sys.exit(cli(tyro.cli(Args)))
+    cli()

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import difflib
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from harness.cli import parse
+from harness.errors import BAD_INPUT, FAILED, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION, SKELETON = ROOT / "solution" / "fsdp.py", ROOT / "fsdp.py"
@@ -171,36 +173,43 @@ def stats_table(solution: str) -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
-    args = sys.argv[1:]
-    check, stats = "--check" in args, "--stats" in args
-    unknown = [a for a in args if a not in ("--check", "--stats")]
-    if unknown:
-        print(f"solution.make_skeleton: unknown argument(s) {unknown}; usage: python -m solution.make_skeleton "
-              "[--check] [--stats]", file=sys.stderr)
-        return 2
+@dataclass(frozen=True)
+class Args:
+    """Write fsdp.py, the students' skeleton, from the reference solution/fsdp.py: each exercise
+    region becomes its TODO."""
+
+    check: bool = False
+    """write nothing; fail when the committed fsdp.py is not what would be written."""
+    stats: bool = False
+    """print the README's table of what each task asks the student to write, and nothing else."""
+
+
+def main(args: Args) -> None:
     if not SOLUTION.exists():
-        print(f"solution.make_skeleton: {SOLUTION} is missing", file=sys.stderr)
-        return 2
-    if stats:
+        stop(f"{SOLUTION} is missing: restore it with `git checkout {SOLUTION.relative_to(ROOT)}`", BAD_INPUT)
+    if args.stats:
         print(stats_table(SOLUTION.read_text()))
-        return 0
+        return
     text = skeleton(SOLUTION.read_text())
     compile(text, str(SKELETON), "exec")
-    if check:
+    if args.check:
         current = SKELETON.read_text() if SKELETON.exists() else ""
         if current == text:
             print("fsdp.py is up to date with solution/fsdp.py")
-            return 0
+            return
         diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "fsdp.py (committed)",
                                     "fsdp.py (regenerated)", lineterm="", n=1)
-        print("fsdp.py is out of date: run `uv run python -m solution.make_skeleton`\n" + "\n".join(list(diff)[:40]))
-        return 1
+        print("\n".join(list(diff)[:40]))
+        stop("fsdp.py is out of date with solution/fsdp.py (the diff above): run `uv run python -m "
+             "solution.make_skeleton`", FAILED)
     SKELETON.write_text(text)
     todos = {tag: text.count(f"TODO({tag})") - text.count(f'"TODO({tag})') for tag in TAGS}
     print(f"wrote {SKELETON.relative_to(ROOT)}: " + ", ".join(f"{n} x {t}" for t, n in todos.items() if n))
-    return 0
+
+
+def cli(argv: list[str] | None = None) -> None:
+    main(parse(Args, argv, prog="python -m solution.make_skeleton"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -1,6 +1,6 @@
 """Write the student repository: everything tracked here except what students must not have.
 
-    uv run python -m solution.release DEST      # DEST: a new (or empty) folder
+    uv run python -m solution.release --out DEST      # DEST: a new (or empty) folder
 
 DEST becomes a git repository with one commit holding the tracked files of this checkout as
 they are in the working tree, except:
@@ -14,12 +14,13 @@ and fails if anything it wrote still names solution/.
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from harness.cli import parse
+from harness.errors import BAD_INPUT, stop
 from solution import make_skeleton
 
 ROOT = make_skeleton.ROOT
@@ -91,21 +92,29 @@ def release(dest: Path) -> list[str]:
     return files
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m solution.release", description=__doc__.split("\n\n")[0])
-    parser.add_argument("dest", type=Path, help="a new or empty folder for the student repository")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class Args:
+    """Write the student repository: everything tracked here except what students must not have
+    (solution/, the instructor settings and README section), as a new git repository."""
+
+    out: Path
+    """a new or empty folder for the student repository."""
+
+
+def main(args: Args) -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            capture_output=True, text=True).stdout
     try:
-        files = release(args.dest)
+        files = release(args.out)
     except ReleaseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        stop(str(e), BAD_INPUT)
     note = " (from uncommitted changes too: `git status` lists them)" if dirty else ""
-    print(f"wrote {len(files)} files to {args.dest}{note}; try it: cd {args.dest} && uv sync --frozen && uv run pytest")
-    return 0
+    print(f"wrote {len(files)} files to {args.out}{note}; try it: cd {args.out} && uv sync --frozen && uv run pytest")
+
+
+def cli(argv: list[str] | None = None) -> None:
+    main(parse(Args, argv, prog="python -m solution.release"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -215,7 +215,7 @@ def test_cli(tmp_path, capsys):
         (tmp_path / "traces" / name / "rank0.json").write_text(json.dumps(trace))
         with open(tmp_path / "snapshots" / name / "rank0.pickle", "wb") as f:
             pickle.dump(profiling.snapshot_from_chrome_trace(trace), f)
-    analysis.main([str(tmp_path / "traces" / "a"), str(tmp_path / "traces" / "b")])
+    analysis.cli([str(tmp_path / "traces" / "a"), str(tmp_path / "traces" / "b")])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["a", "b"]
     rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[1:])}
@@ -235,11 +235,11 @@ def test_cli_leaves_an_older_snapshot_out(tmp_path, capsys):
     (tmp_path / "traces" / "a" / "rank0.json").write_text(json.dumps(gloo_trace()))
     with open(tmp_path / "snapshots" / "a" / "rank0.pickle", "wb") as f:
         pickle.dump(profiling.snapshot_from_chrome_trace(old), f)
-    analysis.main([str(tmp_path / "traces" / "a")])
+    analysis.cli([str(tmp_path / "traces" / "a")])
     rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in capsys.readouterr().out.splitlines()[1:])}
     assert rows["all-gathers, forward"] == ["1"] and rows["peak memory (MiB)"] == ["-"]
     with pytest.raises(SystemExit) as e:
-        analysis.main([str(tmp_path / "traces" / "a"), "--snapshots", str(tmp_path / "snapshots" / "a")])
+        analysis.cli([str(tmp_path / "traces" / "a"), "--snapshots", str(tmp_path / "snapshots" / "a")])
     assert e.value.code == 2
     assert "--no-profile-memory" in capsys.readouterr().err
 

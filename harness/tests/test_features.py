@@ -109,10 +109,10 @@ def loaded_full_digests_job(cfg: train.Config) -> dict[str, str]:
 def too_big_job(cfg: train.Config, available: int) -> None:
     build = model_setup.build_model
 
-    def only_on_meta(name, seq_len, seed, device, vocab_size):
+    def only_on_meta(name, seq_len, seed, device, vocab_size, **overrides):
         if device.type != "meta":
             raise AssertionError("train.py built the model before checking that it fits")
-        return build(name, seq_len, seed, device, vocab_size)
+        return build(name, seq_len, seed, device, vocab_size, **overrides)
 
     with mock.patch.object(fit, "available_bytes", return_value=available), \
             mock.patch.object(model_setup, "build_model", only_on_meta):

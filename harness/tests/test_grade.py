@@ -13,7 +13,7 @@ def test_grade_folder(tmp_path):
     (folder / "hang.py").write_text("import torch\nwhile True:\n    pass\n")
     out = tmp_path / "points.csv"
     # Only the forward tests of one case, to keep this quick; graders run everything.
-    assert grade.main([str(folder), "-o", str(out), "--timeout", "60", "--", "-k", "world2-float32-float32 and forward"]) == 0
+    grade.cli([str(folder), "--out", str(out), "--timeout", "60", "--", "-k", "world2-float32-float32 and forward"])
     rows = {r["submission"].rsplit("/", 1)[-1]: r for r in csv.DictReader(out.open())}
     assert rows["cheat.py"]["total"] == "0" and "uses PyTorch's FSDP2" in rows["cheat.py"]["failures"], rows["cheat.py"]
     assert rows["hang.py"]["total"] == "0" and "timed out" in rows["hang.py"]["failures"], rows["hang.py"]

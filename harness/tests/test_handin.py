@@ -14,7 +14,7 @@ SKELETON_UNDONE = "NotImplementedError(\"TODO(task1)" in (ROOT / "fsdp.py").read
 def test_handin_reports_a_failing_run_and_attempted_bonuses(tmp_path):
     """The skeleton: its run stops at TODO(task1), said in SUMMARY.md; FSDP2's run is still there."""
     out = tmp_path / "handin"
-    assert handin.main(["--impl", "fsdp.py", "--out", str(out), "--no-tests"]) == 0
+    handin.cli(["--impl", "fsdp.py", "--out", str(out), "--no-tests"])
     summary = (out / "SUMMARY.md").read_text()
     assert "Bonuses attempted: none." in summary, summary
     assert "tasks, effdl: NotImplementedError: TODO(task1)" in summary, summary

@@ -1,6 +1,6 @@
 """The feature checks of harness/tests/test_features.py can fail: run them against the reference
-with its activation-checkpointing, to_empty or tied-weight support taken out. Each mutant's
-snippet must still be in solution/fsdp.py exactly once."""
+with its activation-checkpointing, to_empty or tied-weight support taken out (mutants of
+solution/tests/mutation.py). Each mutant's snippet must still be in solution/fsdp.py exactly once."""
 
 import pytest
 
@@ -9,27 +9,12 @@ from harness.ranks import RankError
 from harness.tests import test_features as features
 from solution.tests.mutation import write_mutant
 
-MUTANTS = {
-    # Recomputed forwards treated as new forwards: post_forward frees parameters backward still uses.
-    "no-recompute-handling": [
-        ("        if self.training_state is TrainingState.PRE_BACKWARD:\n"
-         "            # Activation checkpointing", "        if False:\n            # Activation checkpointing"),
-        ("        if self.training_state is TrainingState.PRE_BACKWARD:\n            return output",
-         "        if False:\n            return output"),
-    ],
-    # No FSDPModule._apply: to_empty() leaves the group gathering from the meta shards.
-    "no-to-empty": [("    def _apply(self, fn: Callable", "    def _apply_unused(self, fn: Callable")],
-    # Tied weights: the second place holding the parameter is not re-pointed at the shard.
-    "no-tie-aliases": [("        self.aliases = aliases\n", "        self.aliases = []\n")],
-}
-
-
 @pytest.fixture(scope="module")
 def mutant(tmp_path_factory):
     folder = tmp_path_factory.mktemp("feature_mutants")
 
     def make(name: str) -> str:
-        return write_mutant(folder, name, MUTANTS[name])
+        return write_mutant(folder, name)
 
     return make
 

@@ -1,7 +1,8 @@
 """Every check in test.py can fail: run it against a deliberately broken reference.
 
-Each mutant is the reference with one snippet replaced; the snippet must still be in
-solution/fsdp.py (a mutant that silently stops mutating would prove nothing).
+Each mutant (solution/tests/mutation.py, which holds them all) is the reference with snippets
+replaced; each snippet must still be in solution/fsdp.py (a mutant that silently stops mutating
+would prove nothing).
 """
 
 from pathlib import Path
@@ -12,86 +13,9 @@ from harness import checks
 from harness.ranks import RankError
 from solution import make_skeleton
 from solution.tests import conformance
-from solution.tests.mutation import write_mutant
+from solution.tests.mutation import MUTANTS, write_mutant
 
 SOLUTION = make_skeleton.SOLUTION
-
-# name: (snippet in the reference, replacement), or a list of such pairs
-MUTANTS = {
-    # Pre-dividing and summing is what many write; at world size 3 it is not bit-equal to AVG.
-    "predivide": (
-        "            op = dist.ReduceOp.AVG if self.world > 1 else dist.ReduceOp.SUM\n",
-        "            flat.div_(self.world)\n            op = dist.ReduceOp.SUM\n",
-    ),
-    # Overwriting instead of accumulating the sharded gradient loses all micro-steps but the last.
-    "overwrite-grad": (
-        "            self.sharded.grad.to_local().add_(local)\n",
-        "            self.sharded.grad.to_local().copy_(local)\n",
-    ),
-    # Ignoring reduce_dtype: gradients reduced in the compute dtype (bf16) instead of float32.
-    "ignore-reduce-dtype": (
-        "        self.reduce_dtype = reduce_dtype or self.compute_dtype\n",
-        "        self.reduce_dtype = self.compute_dtype\n",
-    ),
-    # torch.tensor_split's rows instead of torch.chunk's (86/85/85 instead of 86/86/84 at world 3).
-    "tensor-split-rows": [
-        ("        self.rows = [max(0, min(self.padded_rows, param.shape[0] - r * self.padded_rows)) for r in range(world)]\n",
-         "        self.rows = [param.shape[0] // world + (r < param.shape[0] % world) for r in range(world)]\n"),
-        ("        start = rank * self.padded_rows\n", "        start = sum(self.rows[:rank])\n"),
-    ],
-    # Never resharding after forward: every block's full parameters stay until backward.
-    "no-reshard-after-forward": (
-        "                if self.group.reshard_after_forward:\n                    self.group.reshard()\n",
-        "                pass\n",
-    ),
-    # Bonus 3 accumulating in the compute dtype (bf16) instead of FSDP2's reduce-dtype copy.
-    "accumulate-in-compute-dtype": (
-        "            self.accumulated_grad = grad.to(self.accumulate_dtype)\n",
-        "            self.accumulated_grad = grad.clone()\n",
-    ),
-    # Keeping every all-gather buffer: memory grows step after step.
-    "leak-gather-buffers": (
-        "            self.pending_gather = PendingGather(work, flat)\n",
-        "            self.pending_gather = PendingGather(work, flat)\n"
-        "            self.__dict__.setdefault('leaked', []).append(flat)\n",
-    ),
-    # Never resharding after backward: full parameters are left in the model between steps.
-    "no-reshard-after-backward": (
-        "            if group.reshard_after_backward:\n                group.reshard()\n",
-        "            if False:\n                group.reshard()\n",
-    ),
-    # Forward prefetch waited for at once: issued early, but nothing computes while it runs.
-    "wait-prefetch-at-once": (
-        "                order[i + 1].unshard()\n",
-        "                order[i + 1].unshard()\n                order[i + 1].wait_for_unshard()\n",
-    ),
-    # A zero-filled reduce-scatter slot for every parameter of the group, gradient or not: frozen and
-    # unused parameters move the others, and gloo adds the ranks' values in another order there.
-    "zero-fill-every-slot": [
-        ("            numel = sum(p.padded_numel for p in params)\n"
-         "            flat = torch.empty((self.world, numel), dtype=self.reduce_dtype, device=self.device)\n"
-         "            start = 0\n"
-         "            for p, grad in zip(params, grads):\n",
-         "            numel = self.shard_numel\n"
-         "            flat = torch.zeros((self.world, numel), dtype=self.reduce_dtype, device=self.device)\n"
-         "            for p, grad in zip(params, grads):\n"
-         "                start = self.offsets[self.params.index(p)]\n"),
-        ("        start = 0\n        for p in pending.params:\n",
-         "        for p in pending.params:\n            start = self.offsets[self.params.index(p)]\n"),
-    ],
-    # One pre-backward per step: a module called twice per forward runs its second backward on
-    # parameters the first post-backward freed.
-    "pre-backward-once-per-step": (
-        "        if self.training_state is TrainingState.PRE_BACKWARD:\n            # Once per call's backward",
-        "        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):\n"
-        "            # Once per call's backward",
-    ),
-    # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
-    "blocking-all-gather": (
-        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
-        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=False)\n",
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -99,14 +23,15 @@ def mutant(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mutants")
 
     def make(name: str) -> str:
-        return write_mutant(folder, name, MUTANTS[name] if isinstance(MUTANTS[name], list) else [MUTANTS[name]])
+        return write_mutant(folder, name)
 
     return make
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_every_mutant_still_mutates(mutant, name):
-    """Fast and first: a reworded reference must not leave a mutant silently stale."""
+    """Fast and first: a reworded reference must not leave a mutant silently stale (every mutant of
+    the registry, whichever test file runs it)."""
     assert Path(mutant(name)).read_text() != SOLUTION.read_text()
 
 

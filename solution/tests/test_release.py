@@ -109,6 +109,6 @@ def test_release_names_leaks_and_missing_markers():
 
 
 def test_release_command_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "solution.release", str(ROOT)], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "solution.release", "--out", str(ROOT)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "is not empty" in proc.stderr and "Traceback" not in proc.stderr, show(proc)
