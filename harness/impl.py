@@ -101,5 +101,5 @@ def turn_off_prefetch(model, name: str) -> None:
     """`train.py --no-prefetch`: the hand-written FSDP gathers each group only when it runs."""
     if not hasattr(model, "set_prefetch"):
         raise ConfigError(f"--no-prefetch: {impl_path(name)} has no FSDPModule.set_prefetch; "
-                          "copy it (and FSDPGroup.unshard's needed_now) from the current fsdp.py")
+                          "copy it (and FSDPGroup.prefetch, which the prefetches call) from the current fsdp.py")
     model.set_prefetch(False)

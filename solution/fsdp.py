@@ -350,7 +350,7 @@ class FSDPGroup:
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.reduce_grads = True
-        self.prefetch = True  # False: gather only where the parameters are used (set_prefetch)
+        self.prefetching = True  # False: prefetch() does nothing (set_prefetch)
 
     def label(self, phase: str) -> str:
         """A profiler range name like FSDP2's: `FSDP::all_gather (layers.3)`."""
@@ -358,12 +358,15 @@ class FSDPGroup:
 
     # ---- all-gather -------------------------------------------------------------------
 
-    def unshard(self, needed_now: bool = False) -> None:
-        """Start gathering the full parameters (no-op if gathered or already on the way).
+    def prefetch(self) -> None:
+        """Start gathering ahead of use, so that the all-gather overlaps compute; with
+        set_prefetch(False) a no-op, and the hooks gather where used (same bits, no overlap)."""
+        if self.prefetching:
+            self.unshard()
 
-        Hooks pass needed_now=True where the parameters are used next; any other call is a
-        prefetch, which set_prefetch(False) turns into a no-op (same bits, no overlap)."""
-        if self.state is not ShardedState.SHARDED or not (needed_now or self.prefetch):
+    def unshard(self) -> None:
+        """Start gathering the full parameters (no-op if gathered or already on the way)."""
+        if self.state is not ShardedState.SHARDED:
             return
         for p in self.params:
             p.check_storage()
@@ -538,17 +541,17 @@ class FSDPState:
         if self.group is None:
             return args, kwargs
         with record_function(self.group.label("pre_forward")):
-            self.group.unshard(needed_now=True)  # no-op if prefetched or still gathered
+            self.group.unshard()  # no-op if prefetched or still gathered
             self.group.wait_for_unshard()
             # region task2: forward prefetch
-            # Start gathering the group that will run after this one, so that its all-gather runs
-            # while this group computes; it is waited for where it is used (H10).
+            # Prefetch the group that will run after this one, so that its all-gather runs while
+            # this group computes; it is waited for where it is used (H10).
             if self.is_root:  # a new forward begins
                 ctx.last_forward_order, ctx.forward_order = ctx.forward_order or ctx.last_forward_order, []
             ctx.forward_order.append(self.group)
             order = ctx.last_forward_order
             if self.group in order and (i := order.index(self.group)) + 1 < len(order):
-                order[i + 1].unshard()
+                order[i + 1].prefetch()
             # endregion
         if torch.is_grad_enabled():
             # Identity in forward; its backward runs once the gradients w.r.t. the inputs
@@ -606,15 +609,15 @@ class FSDPState:
                 ctx.pending_reduce, pending = None, ctx.pending_reduce
                 pending.finish()
             # endregion
-            self.group.unshard(needed_now=True)  # no-op if prefetched or never resharded
+            self.group.unshard()  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
             # region task3: backward prefetch
-            # Start gathering the group whose backward runs next, so that its all-gather runs
-            # while this group's backward computes (H11).
+            # Prefetch the group whose backward runs next, so that its all-gather runs while this
+            # group's backward computes (H11).
             positions = ctx.backward_positions.get(self.group)
             index = positions.pop() if positions else 0
             if index > 0:
-                ctx.post_forward_order[index - 1].unshard()
+                ctx.post_forward_order[index - 1].prefetch()
             # endregion
         return grad
 
@@ -748,7 +751,7 @@ class FSDPModule:
         group = self._fsdp_state.group
         handle = UnshardHandle(group)
         if group is not None:
-            group.unshard(needed_now=True)
+            group.unshard()
         if async_op:
             return handle
         handle.wait()
@@ -774,7 +777,7 @@ class FSDPModule:
     def set_prefetch(self, prefetch: bool, *, recurse: bool = True) -> None:
         """False: no forward or backward prefetch; each group gathers when it runs (the same
         numbers, nothing overlapped), to measure what prefetching buys."""
-        self._set("prefetch", prefetch, recurse)
+        self._set("prefetching", prefetch, recurse)
 
     def _set(self, attr: str, value: bool, recurse: bool) -> None:
         if not isinstance(value, bool):

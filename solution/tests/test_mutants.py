@@ -62,8 +62,8 @@ MUTANTS = {
     ),
     # Forward prefetch waited for at once: issued early, but nothing computes while it runs.
     "wait-prefetch-at-once": (
-        "                order[i + 1].unshard()\n",
-        "                order[i + 1].unshard()\n                order[i + 1].wait_for_unshard()\n",
+        "                order[i + 1].prefetch()\n",
+        "                order[i + 1].prefetch()\n                order[i + 1].wait_for_unshard()\n",
     ),
     # A zero-filled reduce-scatter slot for every parameter of the group, gradient or not: frozen and
     # unused parameters move the others, and gloo adds the ranks' values in another order there.
