@@ -857,11 +857,11 @@ def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Para
 
 def _check_arguments(module: nn.Module, mesh: DeviceMesh | None, reshard_after_forward: Any,
                      mp_policy: Any, unsupported: dict[str, Any]) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
     for name, value in unsupported.items():
-        harmless = {"shard_placement_fn": value is None, "ignored_params": not value,
-                    "offload_policy": isinstance(value, OffloadPolicy) and not isinstance(value, CPUOffloadPolicy)}
+        # FSDP2's default OffloadPolicy() offloads nothing; any subclass (CPUOffloadPolicy) does. Told apart
+        # by name: importing torch.distributed.fsdp would be using FSDP2.
+        offloads_nothing = type(value).__name__ == "OffloadPolicy" and type(value).__module__.startswith("torch.distributed.fsdp")
+        harmless = {"shard_placement_fn": value is None, "ignored_params": not value, "offload_policy": offloads_nothing}
         if name not in harmless:
             raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
         if not harmless[name]:

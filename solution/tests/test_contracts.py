@@ -36,3 +36,17 @@ def test_every_wait_range_is_one_the_reference_opens():
     """WAIT_RANGE's alternatives are exactly the reference's three wait ranges."""
     alternatives = WAIT_RANGE.pattern.split("(?P<what>", 1)[1].split(")", 1)[0].split("|")
     assert sorted(alternatives) == sorted(WAITED)
+
+
+def test_offload_policy_told_apart_without_fsdp2():
+    """FSDP2's default OffloadPolicy() passes the argument check; CPUOffloadPolicy is unsupported.
+    (No process group here: an accepted argument gets as far as asking for one.)"""
+    from torch import nn
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    check = lambda policy: fsdp._check_arguments(nn.Linear(2, 2), None, None, fsdp.MixedPrecisionPolicy(),
+                                                 {"offload_policy": policy})
+    with pytest.raises(RuntimeError, match="process group"):
+        check(OffloadPolicy())
+    with pytest.raises(NotImplementedError, match="offload_policy=CPUOffloadPolicy"):
+        check(CPUOffloadPolicy())
