@@ -27,8 +27,8 @@ bit-identical. Collectives are asynchronous and waited at use: on CUDA, NCCL run
 own stream and `Work.wait()` makes the compute stream wait without blocking the CPU; on CPU,
 gloo runs on its own threads. That is where the overlap comes from.
 
-Your part is every TODO below: TODO(task1) first (each raises NotImplementedError until
-it is written), then task2 and task3 (overlap), then the bonuses. Check your work with
+Your part is every TODO below: TODO(task1) first (each raises TodoError until it is
+written), then task2 and task3 (overlap), then the bonuses. Check your work with
 `uv run pytest test.py --impl student`.
 """
 
@@ -60,6 +60,11 @@ REDUCE_SCATTER_RANGE = "post_backward_reduce"
 ALL_GATHER_WAIT_RANGE = "all_gather_copy_out"
 REDUCE_SCATTER_WAIT_RANGE = "reduce_scatter_wait"  # the reduce-scatter was still running: the thread blocks
 REDUCE_SCATTER_DONE_RANGE = "reduce_scatter_done"  # it had already finished: no wait
+
+
+class TodoError(NotImplementedError):
+    """Raised by the skeleton's unwritten pieces, `TodoError("TODO(task1): ...")`; features this FSDP
+    does not support raise plain NotImplementedError. The harness tells the two apart by this type."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ class FSDPParam:
         # TODO(task1): shard this parameter
         # Keep this rank's rows in `self.padded_shard` (chunk 0's size: what the all-gather sends) and
         # make `self.sharded` the Shard(0) DTensor parameter over them, sharing their storage (H1, H2).
-        raise NotImplementedError("TODO(task1): shard this parameter")
+        raise TodoError("TODO(task1): shard this parameter")
         self.gathered: torch.Tensor | None = None    # world * padded rows, compute dtype
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
@@ -197,13 +202,13 @@ class FSDPParam:
         # TODO(task1): refill the full parameter
         # Create `self.unsharded` over `self.gathered` once; afterwards give the freed storage back
         # its memory. Tensors autograd saved in forward must stay valid after the refill (H3).
-        raise NotImplementedError("TODO(task1): refill the full parameter")
+        raise TodoError("TODO(task1): refill the full parameter")
 
     def free_unsharded(self) -> None:
         """Free the full parameter's memory but keep the tensor (autograd may hold it)."""
         # TODO(task1): free the full parameter
         # Its memory goes back now, but the tensor object stays: autograd may still hold it (H4).
-        raise NotImplementedError("TODO(task1): free the full parameter")
+        raise TodoError("TODO(task1): free the full parameter")
 
     def take_grad(self) -> torch.Tensor | None:
         """Hand over the full gradient to reduce (None if there is none), leaving none behind."""
@@ -224,14 +229,14 @@ class FSDPParam:
         # TODO(task1): lay out the gradient for the reduce-scatter
         # Rank r must receive the sum of everyone's rows r owns, so row r of `dest` gets those rows
         # of `grad` in dest's dtype, padded like the shards (H1).
-        raise NotImplementedError("TODO(task1): lay out the gradient for the reduce-scatter")
+        raise TodoError("TODO(task1): lay out the gradient for the reduce-scatter")
 
     def set_sharded_grad(self, shard: torch.Tensor) -> None:
         """Store this rank's reduced rows (`shard`: padded, original dtype) as the gradient."""
         # TODO(task1): hand the shard its gradient
         # The optimizer and clip_grad_norm_ read `self.sharded.grad`: a Shard(0) DTensor like the
         # parameter; with a gradient already there (accumulation), add to it.
-        raise NotImplementedError("TODO(task1): hand the shard its gradient")
+        raise TodoError("TODO(task1): hand the shard its gradient")
 
     def accumulate_grad(self) -> None:
         """After a backward without gradient sync: keep the full gradient for the next one."""
@@ -337,7 +342,7 @@ class FSDPGroup:
             # TODO(task1): start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
             # compute dtype, in one asynchronous collective into one flat buffer (H5, H6).
-            raise NotImplementedError("TODO(task1): start the all-gather")
+            raise TodoError("TODO(task1): start the all-gather")
         self.state = ShardedState.GATHERING
 
     def wait_for_unshard(self) -> None:
@@ -349,7 +354,7 @@ class FSDPGroup:
             # TODO(task1): finish the all-gather
             # Once the collective is done, each parameter takes its columns of the buffer and the
             # modules compute with the full parameters.
-            raise NotImplementedError("TODO(task1): finish the all-gather")
+            raise TodoError("TODO(task1): finish the all-gather")
         self.state = ShardedState.GATHERED
 
     def reshard(self) -> None:
@@ -358,7 +363,7 @@ class FSDPGroup:
             return
         # TODO(task1): free the group's full parameters
         # The modules go back to the sharded parameters, and the full ones give their memory back.
-        raise NotImplementedError("TODO(task1): free the group's full parameters")
+        raise TodoError("TODO(task1): free the group's full parameters")
         self.state = ShardedState.SHARDED
 
     def discard_pending_gather(self) -> None:
@@ -383,14 +388,14 @@ class FSDPGroup:
             # TODO(task1): start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
             # the reduce dtype (H8); the full gradients are freed before it runs.
-            raise NotImplementedError("TODO(task1): start the reduce-scatter")
+            raise TodoError("TODO(task1): start the reduce-scatter")
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         """The reduce-scatter is done: give each parameter its slice as sharded gradient."""
         # TODO(task1): finish the reduce-scatter
         # Each parameter reduced gets its slice of the output (where its gradient sat in the input),
         # in its own dtype.
-        raise NotImplementedError("TODO(task1): finish the reduce-scatter")
+        raise TodoError("TODO(task1): finish the reduce-scatter")
 
 
 # --------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -301,10 +302,11 @@ def cli(args: Args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RankError as e:
-        todo = [line for line in str(e).splitlines() if "NotImplementedError: TODO(" in line]
+        # The rank's traceback ends `<module>.TodoError: TODO(task1): ...` where the skeleton stopped.
+        todo = [m[1] for line in str(e).splitlines() if (m := re.search(r"\bTodoError: (.*)$", line))]
         if not todo:
             raise
-        print(f"error: {todo[-1].split(': ', 1)[1]} (in {impl.impl_path(args.impl)}): the report needs a file that "
+        print(f"error: {todo[-1]} (in {impl.impl_path(args.impl)}): the report needs a file that "
               "trains (task 1 done)", file=sys.stderr)
         return 1
 

@@ -24,7 +24,7 @@ MUTANTS = {
     # Task 1 forward works, backward does not: the reduce-scatter is a TODO.
     "forward_only": [(
         "            flat = torch.empty((self.world, numel), dtype=self.reduce_dtype, device=self.device)\n",
-        "            raise NotImplementedError('TODO(task1): reduce-scatter')\n")],
+        "            raise TodoError('TODO(task1): reduce-scatter')\n")],
     "no_free_after_forward": [(
         "                if self.group.reshard_after_forward:\n                    self.group.reshard()\n",
         "                pass\n")],
