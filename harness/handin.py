@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -91,7 +92,8 @@ def profile_runs(impl: str, out: Path, runs: list[str], world_size: int) -> list
                 except RankError as e:
                     lines = [line for line in str(e).splitlines() if line.strip()]
                     error = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "?")
-                    failures.append(f"{name}, {who}: {error.strip()[:300]}")
+                    error = re.sub(r"^[\w.]+\.(\w+: )", r"\1", error.strip())  # the type without its module
+                    failures.append(f"{name}, {who}: {error[:300]}")
     return failures
 
 

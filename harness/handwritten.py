@@ -39,7 +39,6 @@ _FSDP_DIRS = tuple(os.path.join(os.path.dirname(torch.__file__), "distributed", 
                    for d in ("fsdp", os.path.join("_composable", "fsdp")))
 _FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
 
-HARMLESS_FSDP2_NAMES = {"OffloadPolicy", "CPUOffloadPolicy"}  # plain dataclasses, no FSDP in them
 # Modules (exactly these; torch and its submodules too) an FSDP may import. Not importlib, sys,
 # inspect, gc, ctypes, builtins, subprocess, pickle, logging.config: each reaches modules, frames
 # or files by computed names.
@@ -84,9 +83,6 @@ def static_problem(path: Path) -> str | None:
         where = f"{Path(path).name}:{getattr(node, 'lineno', '?')}"
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed.fsdp" \
-                    and {a.name for a in node.names} <= HARMLESS_FSDP2_NAMES and not any(a.asname for a in node.names):
-                continue  # FSDP2's offload policy types, to recognise the arguments train code passes
             for mod in mods:
                 if mod.startswith(_FSDP_MODULES):
                     return f"{where} imports {mod}"

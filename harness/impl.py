@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -72,8 +73,9 @@ def fsdp2() -> ModuleType:
 def todo_reached(error: BaseException) -> str | None:
     """The `TODO(...)` a rank stopped at, from the traceback text a RankError carries; None if the
     error is anything else (a real bug, which deserves its traceback)."""
-    todo = [line for line in str(error).splitlines() if "NotImplementedError: TODO(" in line]
-    return todo[-1].split(": ", 1)[1] if todo else None
+    # The rank's traceback ends `<module>.TodoError: TODO(task1): ...` where the skeleton stopped.
+    todo = [m[1] for line in str(error).splitlines() if (m := re.search(r"\bTodoError: (TODO\(.*)$", line))]
+    return todo[-1] if todo else None
 
 
 class FeatureError(RuntimeError):
@@ -108,5 +110,5 @@ def turn_off_prefetch(model, name: str) -> None:
     """`train.py --no-prefetch`: the hand-written FSDP gathers each group only when it runs."""
     if not hasattr(model, "set_prefetch"):
         raise ConfigError(f"--no-prefetch: {impl_path(name)} has no FSDPModule.set_prefetch; "
-                          "copy it (and FSDPGroup.unshard's needed_now) from the current fsdp.py")
+                          "copy it (and FSDPGroup.prefetch, which the prefetches call) from the current fsdp.py")
     model.set_prefetch(False)

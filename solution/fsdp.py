@@ -49,6 +49,22 @@ from torch.profiler import record_function
 
 __all__ = ["MixedPrecisionPolicy", "FSDPModule", "fully_shard"]
 
+# The grader reads these profiler ranges, named `FSDP::<phase> (<group>)` by FSDPGroup.label: a group's
+# collective is issued inside ALL_GATHER_RANGE / REDUCE_SCATTER_RANGE (harness/trace.py GROUP_RANGE) and
+# waited inside ALL_GATHER_WAIT_RANGE / REDUCE_SCATTER_WAIT_RANGE / REDUCE_SCATTER_DONE_RANGE
+# (harness/schedule.py WAIT_RANGE); compute inside any `FSDP::` range does not count as overlap.
+# Renamed, tasks 2 and 3 fail: the checks no longer see the overlap.
+ALL_GATHER_RANGE = "all_gather"
+REDUCE_SCATTER_RANGE = "post_backward_reduce"
+ALL_GATHER_WAIT_RANGE = "all_gather_copy_out"
+REDUCE_SCATTER_WAIT_RANGE = "reduce_scatter_wait"  # the reduce-scatter was still running: the thread blocks
+REDUCE_SCATTER_DONE_RANGE = "reduce_scatter_done"  # it had already finished: no wait
+
+
+class TodoError(NotImplementedError):
+    """Raised by the skeleton's unwritten pieces, `TodoError("TODO(task1): ...")`; features this FSDP
+    does not support raise plain NotImplementedError. The harness tells the two apart by this type."""
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -300,7 +316,7 @@ class PendingReduce:
     def finish(self) -> None:
         if self.work is not None:
             # The range shows the overlap check where the main thread waited, and whether it had to.
-            label = "reduce_scatter_done" if self.work.is_completed() else "reduce_scatter_wait"
+            label = REDUCE_SCATTER_DONE_RANGE if self.work.is_completed() else REDUCE_SCATTER_WAIT_RANGE
             with record_function(self.group.label(label)):
                 self.work.wait()
         self.group.finish_reduce(self)
@@ -339,7 +355,7 @@ class FSDPGroup:
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.reduce_grads = True
-        self.prefetch = True  # False: gather only where the parameters are used (set_prefetch)
+        self.prefetching = True  # False: prefetch() does nothing (set_prefetch)
 
     def label(self, phase: str) -> str:
         """A profiler range name like FSDP2's: `FSDP::all_gather (layers.3)`."""
@@ -347,16 +363,19 @@ class FSDPGroup:
 
     # ---- all-gather -------------------------------------------------------------------
 
-    def unshard(self, needed_now: bool = False) -> None:
-        """Start gathering the full parameters (no-op if gathered or already on the way).
+    def prefetch(self) -> None:
+        """Start gathering ahead of use, so that the all-gather overlaps compute; with
+        set_prefetch(False) a no-op, and the hooks gather where used (same bits, no overlap)."""
+        if self.prefetching:
+            self.unshard()
 
-        Hooks pass needed_now=True where the parameters are used next; any other call is a
-        prefetch, which set_prefetch(False) turns into a no-op (same bits, no overlap)."""
-        if self.state is not ShardedState.SHARDED or not (needed_now or self.prefetch):
+    def unshard(self) -> None:
+        """Start gathering the full parameters (no-op if gathered or already on the way)."""
+        if self.state is not ShardedState.SHARDED:
             return
         for p in self.params:
             p.check_storage()
-        with record_function(self.label("all_gather")):
+        with record_function(self.label(ALL_GATHER_RANGE)):
             # region task1: start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
             # compute dtype, in one asynchronous collective into one flat buffer (H5, H6).
@@ -374,7 +393,7 @@ class FSDPGroup:
         if self.state is not ShardedState.GATHERING:
             return
         pending, self.pending_gather = self.pending_gather, None
-        with record_function(self.label("all_gather_copy_out")):
+        with record_function(self.label(ALL_GATHER_WAIT_RANGE)):
             # region task1: finish the all-gather
             # Once the collective is done, each parameter takes its columns of the buffer and the
             # modules compute with the full parameters.
@@ -415,7 +434,7 @@ class FSDPGroup:
                 grads.append(grad)
         if not grads:
             return None
-        with record_function(self.label("post_backward_reduce")):
+        with record_function(self.label(REDUCE_SCATTER_RANGE)):
             # region task1: start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
             # the reduce dtype (H8); the full gradients are freed before it runs.
@@ -527,17 +546,17 @@ class FSDPState:
         if self.group is None:
             return args, kwargs
         with record_function(self.group.label("pre_forward")):
-            self.group.unshard(needed_now=True)  # no-op if prefetched or still gathered
+            self.group.unshard()  # no-op if prefetched or still gathered
             self.group.wait_for_unshard()
             # region task2: forward prefetch
-            # Start gathering the group that will run after this one, so that its all-gather runs
-            # while this group computes; it is waited for where it is used (H10).
+            # Prefetch the group that will run after this one, so that its all-gather runs while
+            # this group computes; it is waited for where it is used (H10).
             if self.is_root:  # a new forward begins
                 ctx.last_forward_order, ctx.forward_order = ctx.forward_order or ctx.last_forward_order, []
             ctx.forward_order.append(self.group)
             order = ctx.last_forward_order
             if self.group in order and (i := order.index(self.group)) + 1 < len(order):
-                order[i + 1].unshard()
+                order[i + 1].prefetch()
             # endregion
         if torch.is_grad_enabled():
             # Identity in forward; its backward runs once the gradients w.r.t. the inputs
@@ -595,15 +614,15 @@ class FSDPState:
                 ctx.pending_reduce, pending = None, ctx.pending_reduce
                 pending.finish()
             # endregion
-            self.group.unshard(needed_now=True)  # no-op if prefetched or never resharded
+            self.group.unshard()  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
             # region task3: backward prefetch
-            # Start gathering the group whose backward runs next, so that its all-gather runs
-            # while this group's backward computes (H11).
+            # Prefetch the group whose backward runs next, so that its all-gather runs while this
+            # group's backward computes (H11).
             positions = ctx.backward_positions.get(self.group)
             index = positions.pop() if positions else 0
             if index > 0:
-                ctx.post_forward_order[index - 1].unshard()
+                ctx.post_forward_order[index - 1].prefetch()
             # endregion
         return grad
 
@@ -737,7 +756,7 @@ class FSDPModule:
         group = self._fsdp_state.group
         handle = UnshardHandle(group)
         if group is not None:
-            group.unshard(needed_now=True)
+            group.unshard()
         if async_op:
             return handle
         handle.wait()
@@ -763,7 +782,7 @@ class FSDPModule:
     def set_prefetch(self, prefetch: bool, *, recurse: bool = True) -> None:
         """False: no forward or backward prefetch; each group gathers when it runs (the same
         numbers, nothing overlapped), to measure what prefetching buys."""
-        self._set("prefetch", prefetch, recurse)
+        self._set("prefetching", prefetch, recurse)
 
     def _set(self, attr: str, value: bool, recurse: bool) -> None:
         if not isinstance(value, bool):
@@ -843,11 +862,11 @@ def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Para
 
 def _check_arguments(module: nn.Module, mesh: DeviceMesh | None, reshard_after_forward: Any,
                      mp_policy: Any, unsupported: dict[str, Any]) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
     for name, value in unsupported.items():
-        harmless = {"shard_placement_fn": value is None, "ignored_params": not value,
-                    "offload_policy": isinstance(value, OffloadPolicy) and not isinstance(value, CPUOffloadPolicy)}
+        # FSDP2's default OffloadPolicy() offloads nothing; any subclass (CPUOffloadPolicy) does. Told apart
+        # by name: importing torch.distributed.fsdp would be using FSDP2.
+        offloads_nothing = type(value).__name__ == "OffloadPolicy" and type(value).__module__.startswith("torch.distributed.fsdp")
+        harmless = {"shard_placement_fn": value is None, "ignored_params": not value, "offload_policy": offloads_nothing}
         if name not in harmless:
             raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
         if not harmless[name]:

@@ -13,7 +13,7 @@ In the solution, each piece of the exercise sits between two comment lines:
     # endregion
 
 In the skeleton the region becomes its hint as a `# TODO(task1): ...` comment, followed by
-`raise NotImplementedError("TODO(task1): ...")` for the required task (task1), or by the
+`raise TodoError("TODO(task1): ...")` for the required task (task1), or by the
 `# else:` lines, if any, for the optional ones (task2, task3, bonus1-3): a file with only
 task 1 done then trains correctly, just without overlap or the bonus features.
 
@@ -46,8 +46,8 @@ Regions marked `# region taskN` / `# region bonusN` are the exercise: the studen
 fsdp.py is generated from this one with each region replaced by a TODO.
 """
 STUDENT_NOTE = """\
-Your part is every TODO below: TODO(task1) first (each raises NotImplementedError until
-it is written), then task2 and task3 (overlap), then the bonuses. Check your work with
+Your part is every TODO below: TODO(task1) first (each raises TodoError until it is
+written), then task2 and task3 (overlap), then the bonuses. Check your work with
 `uv run pytest test.py --impl student`.
 """
 
@@ -109,7 +109,7 @@ def _todo(region: Region, needs_statement: bool) -> list[str]:
     if region.tag in REQUIRED:
         # One short line: the piece to write. The hint is in the comment right above the raise.
         message = f"TODO({region.tag}): {region.hint[0]}".replace("\\", "\\\\").replace('"', '\\"')
-        return lines + [f'{ind}raise NotImplementedError("{message}")']
+        return lines + [f'{ind}raise TodoError("{message}")']
     if region.fallback:
         return lines + [f"{ind}# stand-in until this TODO is done (replace it):"] + [ind + code for code in region.fallback]
     return lines + ([f"{ind}pass"] if needs_statement else [])

@@ -1,7 +1,6 @@
 """harness.grade: a folder of submissions -> one CSV row each; a broken one costs only its row."""
 
 import csv
-import sys
 
 from harness import grade
 

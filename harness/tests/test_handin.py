@@ -7,7 +7,7 @@ import pytest
 from harness import handin
 
 ROOT = Path(__file__).resolve().parents[2]
-SKELETON_UNDONE = "NotImplementedError(\"TODO(task1)" in (ROOT / "fsdp.py").read_text()
+SKELETON_UNDONE = "TodoError(\"TODO(task1)" in (ROOT / "fsdp.py").read_text()
 
 
 @pytest.mark.skipif(not SKELETON_UNDONE, reason="fsdp.py has task 1 done")
@@ -17,7 +17,7 @@ def test_handin_reports_a_failing_run_and_attempted_bonuses(tmp_path):
     handin.cli(["--impl", "fsdp.py", "--out", str(out), "--no-tests"])
     summary = (out / "SUMMARY.md").read_text()
     assert "Bonuses attempted: none." in summary, summary
-    assert "tasks, effdl: NotImplementedError: TODO(task1)" in summary, summary
+    assert "tasks, effdl: TodoError: TODO(task1)" in summary, summary
     assert (out / "tasks" / "fsdp2" / "traces" / "rank0.json").is_file()
 
 

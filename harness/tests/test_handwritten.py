@@ -23,7 +23,6 @@ HONEST = {
                "    def __hash__(self):\n        return id(self)\nif __name__ == '__main__':\n    print(A.__doc__)\n",
     "torch_submodules": "import torch.distributed as dist\nfrom torch.distributed.tensor import DTensor, Shard\n"
                         "from torch.autograd.graph import register_multi_grad_hook\nfrom torch.profiler import record_function\n",
-    "offload_policy": "from torch.distributed.fsdp import OffloadPolicy\n",
 }
 
 # Refused constructs that are not FSDP2: (source, the line it names, words of what to do instead).
@@ -66,6 +65,7 @@ def test_refusal_names_the_line_and_the_fix(tmp_path, name):
 @pytest.mark.parametrize("source", ["from torch.distributed.fsdp import fully_shard\n",
                                     "import torch.distributed.fsdp as f\n",
                                     "from torch.distributed import fsdp\n",
-                                    "from torch.distributed.fsdp._fully_shard import _fully_shard\n"])
+                                    "from torch.distributed.fsdp._fully_shard import _fully_shard\n",
+                                    "from torch.distributed.fsdp import OffloadPolicy\n"])
 def test_fsdp2_is_called_fsdp2(tmp_path, source):
     assert handwritten.verdict(check(tmp_path, source)).startswith(handwritten.FSDP2_USED)

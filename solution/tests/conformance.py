@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 import train
 from harness import checks
@@ -141,11 +142,10 @@ class Run:
     shards: list[dict[str, torch.Tensor]]
 
 
-def train_job(model: str, impl: str | None, param_dtype: str, reduce_dtype: str, steps: int = 4) -> Run:
-    """Train MODELS[model] under FSDP2 (impl None) or the hand-written FSDP at `impl` (a path):
-    every group of `groups()`, then the root, AdamW with clipping, a few steps of random tokens."""
+def wrap(model: str, impl: str | None, param_dtype: str, reduce_dtype: str):
+    """(the FSDP module, MODELS[model] wrapped by it): every group of `groups()`, then the root,
+    under FSDP2 (impl None) or the hand-written FSDP at `impl` (a path)."""
     fsdp = train.fsdp_module(train.Config(fsdp="fsdp2") if impl is None else train.Config(fsdp="effdl", impl=impl))
-    rank = dist.get_rank()
     torch.manual_seed(0)
     net = MODELS[model]()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -153,6 +153,14 @@ def train_job(model: str, impl: str | None, param_dtype: str, reduce_dtype: str,
     for group in net.groups():
         fsdp.fully_shard(group, mesh=mesh, mp_policy=policy)
     fsdp.fully_shard(net, mesh=mesh, mp_policy=policy)
+    return fsdp, net
+
+
+def train_job(model: str, impl: str | None, param_dtype: str, reduce_dtype: str, steps: int = 4) -> Run:
+    """Train MODELS[model] under FSDP2 (impl None) or the hand-written FSDP at `impl` (a path):
+    AdamW with clipping, a few steps of random tokens."""
+    _, net = wrap(model, impl, param_dtype, reduce_dtype)
+    rank = dist.get_rank()
     opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1, foreach=True)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     run = Run([], [], [_shards(net, 0)])
@@ -169,6 +177,40 @@ def train_job(model: str, impl: str | None, param_dtype: str, reduce_dtype: str,
         run.grad_norms.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
         run.shards.append(_shards(net, step))
     return run
+
+
+def unshard_job(model: str, impl: str | None, param_dtype: str, async_op: bool) -> list[dict]:
+    """FSDPModule.unshard()/reshard() by hand on every FSDP module, right after wrapping and again
+    after a training step: what the modules hold after each (full tensors, then shards again)."""
+    fsdp, net = wrap(model, impl, param_dtype, param_dtype)
+    modules = [m for m in net.modules() if isinstance(m, fsdp.FSDPModule)]
+    seen = []
+    for when in ("after wrapping", "after a step"):
+        if when == "after a step":
+            tokens = torch.randint(VOCAB, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+            net(tokens[:, :-1], 2).float().square().mean().backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p.sub_(p.grad)
+                        p.grad = None
+        handles = [m.unshard(async_op=async_op) for m in modules]
+        for h in handles:
+            assert (h is not None) == async_op, f"unshard(async_op={async_op}) returned {h!r}"
+            if async_op:
+                h.wait()
+        full = {}
+        for name, p in net.named_parameters():
+            assert isinstance(p, nn.Parameter) and not isinstance(p, DTensor), f"{when}: unshard left {name} a {type(p)}"
+            full[name] = (p.detach().clone(), p.requires_grad)
+        for m in modules:
+            m.reshard()
+        shards = {}
+        for name, p in net.named_parameters():
+            assert isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),), f"{when}: reshard left {name} a {type(p)}"
+            shards[name] = p.to_local().detach().clone()
+        seen.append({"when": when, "full": full, "shards": shards})
+    return seen
 
 
 def _shards(net: nn.Module, step: int) -> dict[str, torch.Tensor]:

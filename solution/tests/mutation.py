@@ -11,7 +11,7 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     # Task 1's backward missing: the reduce-scatter is still a TODO (the forward works).
     "forward-only": [(
         "            flat = torch.empty((self.world, numel), dtype=self.reduce_dtype, device=self.device)\n",
-        "            raise NotImplementedError('TODO(task1): reduce-scatter')\n")],
+        "            raise TodoError('TODO(task1): reduce-scatter')\n")],
     # Pre-dividing and summing, as many write: at world size 3 not bit-equal to AVG.
     "predivide": [(
         "            op = dist.ReduceOp.AVG if self.world > 1 else dist.ReduceOp.SUM\n",
@@ -57,8 +57,8 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            self.__dict__.setdefault('leaked', []).append(flat)\n")],
     # Forward prefetch waited for at once: issued early, but nothing computes while it runs.
     "wait-prefetch-at-once": [(
-        "                order[i + 1].unshard()\n",
-        "                order[i + 1].unshard()\n                order[i + 1].wait_for_unshard()\n")],
+        "                order[i + 1].prefetch()\n",
+        "                order[i + 1].prefetch()\n                order[i + 1].wait_for_unshard()\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
