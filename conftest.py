@@ -17,7 +17,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    from harness.points import MARKERS
+    from harness.tools.points import MARKERS
 
     for name, what in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
@@ -34,7 +34,7 @@ def pytest_collection(session):
     with the test that ran it."""
     if session.config.option.collectonly:
         return
-    from harness.ranks import start_forkserver
+    from harness.tools.ranks import start_forkserver
 
     capture = session.config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
@@ -115,7 +115,7 @@ def _skip_reason(report) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from harness import points
+    from harness.tools import points
 
     if not config._points:
         return
@@ -129,7 +129,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def _pool(world_size: int):
-    from harness.ranks import RankPool
+    from harness.tools.ranks import RankPool
 
     pool = RankPool(world_size, device="cpu")
     yield pool

@@ -6,17 +6,17 @@
     uv run pytest test.py -k "world3 and bfloat16"   # one world size or precision case
     uv run pytest test.py --impl path/to/fsdp.py     # any other file (default: fsdp.py)
 
-Each test earns part of one line of the handout's points table (harness/points.py); a line's
+Each test earns part of one line of the handout's points table (harness/tools/points.py); a line's
 points need all its tests to pass. The header names the file under test.
 """
 
 import pytest
 
-from harness import checks
+from harness.tools import checks, policy
 
-CASES = [pytest.param(w, p, r, id=f"world{w}-{p}-{r}") for w in (2, 3) for p, r in checks.PRECISIONS] + \
-    [pytest.param(2, p, r, id=f"world2-{p}-{r}") for p, r in checks.UNSET_PRECISIONS]
-PRECISIONS = [pytest.param(p, r, id=f"{p}-{r}") for p, r in checks.PRECISIONS]
+CASES = [pytest.param(w, p, r, id=f"world{w}-{p}-{r}") for w in (2, 3) for p, r in policy.PRECISIONS] + \
+    [pytest.param(2, p, r, id=f"world2-{p}-{r}") for p, r in policy.UNSET_PRECISIONS]
+PRECISIONS = [pytest.param(p, r, id=f"{p}-{r}") for p, r in policy.PRECISIONS]
 
 
 @pytest.fixture(autouse=True)
@@ -86,9 +86,9 @@ def _bonus(bonus: str):
     @pytest.mark.parametrize("param_dtype, reduce_dtype", PRECISIONS)
     def test(impl, pool2, param_dtype, reduce_dtype, tmp_path, evidence):
         evidence(checks.check_mode(pool2, impl, [bonus], param_dtype, reduce_dtype, tmp_path))
-        checks.check_memory(pool2, impl, param_dtype, reduce_dtype, **checks.MODES[bonus].flags)
+        checks.check_memory(pool2, impl, param_dtype, reduce_dtype, **policy.MODES[bonus].flags)
         checks.skip_if_peaks_not_compared(pool2)
-    test.__doc__ = (f"{checks.MODES[bonus].name}, each precision case: {checks.MODES[bonus].promise}, "
+    test.__doc__ = (f"{policy.MODES[bonus].name}, each precision case: {policy.MODES[bonus].promise}, "
                     "FSDP2's collectives per phase, overlap kept, bit-identical numbers, memory.")
     return getattr(pytest.mark, bonus)(test)
 
@@ -103,5 +103,5 @@ def test_bonuses_combined(impl, pool2, bonuses, tmp_path):
     """Bonuses together (no line of the points table): every promise and FSDP2's collectives (float32),
     losses, grad norms and shards bit-identical to FSDP2 in the mixed-precision cases."""
     checks.check_mode(pool2, impl, bonuses, "float32", "float32", tmp_path)
-    for param_dtype, reduce_dtype in checks.PRECISIONS[1:]:
-        checks.check_parity(pool2, impl, param_dtype, reduce_dtype, **checks.mode_flags(bonuses))
+    for param_dtype, reduce_dtype in policy.PRECISIONS[1:]:
+        checks.check_step(pool2, impl, param_dtype, reduce_dtype, **policy.mode_flags(bonuses))

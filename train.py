@@ -164,8 +164,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, data, cfg: Co
         inputs, labels = next(data)
         inputs, labels = inputs["input"].to(device), labels.to(device)
         with torch.profiler.record_function("## forward ##"):
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / micro
+            loss = loss_fn(model(inputs), labels, micro)
         with torch.profiler.record_function("## backward ##"):
             loss.backward()
         step_loss += loss.detach()
@@ -179,11 +178,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, data, cfg: Co
     return step_loss, grad_norm
 
 
-def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) -> TrainResult:
-    """Train in the process group this process belongs to (see `init_distributed`).
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, micro: int) -> torch.Tensor:
+    """Cross-entropy in float32 over every token, a 1/micro share of the optimizer step's loss."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / micro
 
-    `inspect(model, step)` runs after wrapping (step 0) and after every optimizer step.
-    """
+
+def setup(cfg: Config) -> tuple[nn.Module, torch.device]:
+    """Everything before the first step, on every rank: the data and tokenizer, the memory check,
+    and the model, built, wrapped by the FSDP under test and materialised."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     validate(cfg)
     device = current_device(cfg.device)
@@ -212,6 +214,16 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
         impl.explain_errors(model_setup.materialize, model, device, cfg.seed)
     if cfg.fsdp == "none" and world_size > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model, device
+
+
+def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) -> TrainResult:
+    """Train in the process group this process belongs to (see `init_distributed`).
+
+    `inspect(model, step)` runs after wrapping (step 0) and after every optimizer step.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, device = setup(cfg)
     if inspect is not None:
         inspect(model, 0)
 

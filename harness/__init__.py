@@ -1,6 +1,6 @@
 """What students run but never edit: data, rank pools, checks, profiling, analysis, benchmark.
 
-Tools run as modules from the repository root, e.g. `uv run python -m harness.benchmark`.
+Tools run as modules from the repository root, e.g. `uv run python -m harness.tools.benchmark`.
 Importing the package imports nothing else except `compat`, whose `install()` must run before
 torchtitan is imported anywhere (it stands in for a triton module where triton is absent).
 """

@@ -1,7 +1,7 @@
 """A rank's chrome trace (what `train.py --profile-steps` writes) read into what the analyses use:
 its profiled steps and phases, the c10d ops that issued collectives, FSDP's group ranges, and
-interval arithmetic over them. The analyses: harness/collectives.py (counts, hidden time),
-harness/schedule.py (the overlap the graded checks judge), harness/memory_analysis.py.
+interval arithmetic over them. The analyses: harness/tools/collectives.py (counts, hidden time),
+harness/tools/schedule.py (the overlap the graded checks judge), harness/tools/memory_analysis.py.
 
 A collective is *counted* once per c10d dispatcher op, on whichever thread issued it (the main
 thread, with the `ProfilerStep#N` ranges; on CUDA backward hooks run on autograd's device thread):

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 import train
-from harness import analysis, checks, collectives, memory_analysis, profiling, schedule
+from harness import profiling
+from harness.tools import analysis, collectives, memory_analysis, policy, schedule
 from harness.trace import KINDS, length, overlap, union
 
 MiB = 1 << 20
 
-# The debug model is wrapped in 7 groups (6 blocks, then the root) and checks.config() runs 2
+# The debug model is wrapped in 7 groups (6 blocks, then the root) and policy.config() runs 2
 # micro-steps per step, each with its own forward, backward and reduce-scatters.
 GROUPS, MICRO = 7, 2
 EXPECTED_COUNTS = {
@@ -33,7 +34,7 @@ FSDP2_MAX_HIDDEN = 0.02
 
 def profiled_run(pool, folder: Path, impl: str | None = None) -> analysis.RunStats:
     """Three steps (the last two profiled) of FSDP2, or of the hand-written FSDP `impl`, analysed."""
-    cfg = checks.config(impl, num_steps=3, profile_steps=2, traces_dir=folder / "traces",
+    cfg = policy.config(impl, num_steps=3, profile_steps=2, traces_dir=folder / "traces",
                         snapshots_dir=folder / "snapshots")
     pool.run(train.train, cfg)
     return analysis.analyze_run(folder / "traces", folder / "snapshots")

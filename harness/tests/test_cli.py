@@ -18,13 +18,13 @@ from harness.errors import BAD_INPUT
 # module -> whether it takes the FSDP under test (then as --impl)
 TOOLS = {
     "train": True,
-    "harness.analysis": False,
+    "harness.tools.analysis": False,
     "harness.assets": False,
-    "harness.benchmark": True,
-    "harness.grade": False,  # its submissions are many files: a positional folder, not --impl
-    "harness.handin": True,
-    "harness.init_memory": True,
-    "harness.report": True,
+    "harness.tools.benchmark": True,
+    "harness.tools.grade": False,  # its submissions are many files: a positional folder, not --impl
+    "harness.tools.handin": True,
+    "harness.tools.init_memory": True,
+    "harness.tools.report": True,
 }
 # names the shared flags replaced: each must not come back
 RETIRED = {"--output", "--world"}
@@ -45,7 +45,7 @@ def tool_help(module: str, monkeypatch, capsys) -> str:
 
 def assert_shared_flags(module: str, text: str, takes_impl: bool) -> None:
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
-    assert f"python -m {module}" in text or module in ("train", "harness.init_memory"), text[:300]
+    assert f"python -m {module}" in text or module in ("train", "harness.tools.init_memory"), text[:300]
     assert not flags & RETIRED, f"{module} still names {flags & RETIRED}"
     # one-letter aliases only where every command has them: -h alone
     shorts = set(re.findall(r"^\W*(-[A-Za-z]),? --", text, re.M))
@@ -64,7 +64,7 @@ def test_help_uses_the_shared_flags(module, monkeypatch, capsys):
 
 
 def test_arguments_after_a_double_dash_go_to_pytest(tmp_path):
-    from harness import grade, handin
+    from harness.tools import grade, handin
 
     args = cli.parse(grade.Args, [str(tmp_path), "--out", "p.csv", "--", "-k", "forward", "--", "-x"], prog="grade")
     assert args.pytest_args == ("-k", "forward", "--", "-x") and str(args.out) == "p.csv"
@@ -72,7 +72,7 @@ def test_arguments_after_a_double_dash_go_to_pytest(tmp_path):
 
 
 def test_bad_input_stops_with_one_error_line(tmp_path, capsys):
-    from harness import grade
+    from harness.tools import grade
 
     with pytest.raises(SystemExit) as e:
         grade.cli([str(tmp_path / "missing.txt")])

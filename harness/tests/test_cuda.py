@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train
-from harness import analysis, checks
+from harness.tools import analysis, checks, policy
 from harness.tests.test_platform import skip_unfinished
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def cuda_pool(request):
     world = request.param
     if gpus() < world:
         pytest.skip(f"needs {world} CUDA GPU(s), found {gpus()}")
-    from harness.ranks import RankPool
+    from harness.tools.ranks import RankPool
 
     with RankPool(world, device="cuda") as pool:
         yield pool
@@ -56,14 +56,14 @@ def rank_device():
     return dist.get_rank(), dist.get_backend(), str(device), torch.are_deterministic_algorithms_enabled()
 
 
-@pytest.mark.parametrize("param_dtype, reduce_dtype", checks.PRECISIONS)
+@pytest.mark.parametrize("param_dtype, reduce_dtype", policy.PRECISIONS)
 def test_parity_with_fsdp2(cuda_pool, impl, param_dtype, reduce_dtype):
     skip_unfinished(impl)
-    checks.check_parity(cuda_pool, impl, param_dtype, reduce_dtype)
+    checks.check_step(cuda_pool, impl, param_dtype, reduce_dtype)
 
 
 def test_same_run_twice_is_bit_identical(cuda_pool):
-    cfg = checks.config(param_dtype="bfloat16", reduce_dtype="float32")
+    cfg = policy.config(param_dtype="bfloat16", reduce_dtype="float32")
     first = [(r.losses, r.grad_norms) for r in cuda_pool.run(train.train, cfg)]
     again = [(r.losses, r.grad_norms) for r in cuda_pool.run(train.train, cfg)]
     assert first == again, f"two identical CUDA runs differ: {first} vs {again}"

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 import train
-from harness import assets, checkpoint, checks, fit, model_setup
-from harness.checks import PRECISIONS
+from harness import assets, checkpoint, fit, model_setup
+from harness.tools import checks, compare, jobs, policy
+from harness.tools.policy import PRECISIONS
 from harness.distributed import current_device
 from harness.errors import ConfigError
-from harness.ranks import RankError, RankPool
+from harness.tools.ranks import RankError, RankPool
 from harness.tests.test_platform import skip_unfinished
 
 
@@ -42,7 +43,7 @@ def _needs_a_working_fsdp(request):
 
 
 def short(impl: str | None, **overrides) -> train.Config:
-    return checks.config(impl, num_steps=3, **overrides)
+    return policy.config(impl, num_steps=3, **overrides)
 
 
 # --------------------------------------------------------------------------- rank-side jobs
@@ -74,7 +75,7 @@ def recompute_outside_job(cfg: train.Config):
         return model
 
     with mock.patch.object(train, "apply_fsdp", apply_then_checkpoint):
-        return checks.train_job(cfg)
+        return jobs.train_job(cfg)
 
 
 def init_digests_job(cfg: train.Config, plain_dtensor_init: bool = False) -> dict[str, str]:
@@ -84,7 +85,7 @@ def init_digests_job(cfg: train.Config, plain_dtensor_init: bool = False) -> dic
 
     def inspect(model, step):
         if step == 0:
-            seen.update({n: checks.digest(p) for n, p in model.named_parameters()})
+            seen.update({n: jobs.digest(p) for n, p in model.named_parameters()})
 
     passthrough = lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))
     plain = mock.patch.object(model_setup.FullTensorInit, "__torch_function__", passthrough)
@@ -103,7 +104,7 @@ def loaded_full_digests_job(cfg: train.Config) -> dict[str, str]:
     model_setup.materialize(model, device, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     step = checkpoint.load(cfg.checkpoint_dir, model, optimizer, cfg)
-    return {"step": step, **{n: checks.digest(p.full_tensor()) for n, p in model.named_parameters()}}
+    return {"step": step, **{n: jobs.digest(p.full_tensor()) for n, p in model.named_parameters()}}
 
 
 def too_big_job(cfg: train.Config, available: int) -> None:
@@ -136,7 +137,7 @@ class Tied(nn.Module):
 def tied_job(impl: str | None, split: bool = False) -> list[dict[str, torch.Tensor]]:
     """Train Tied 3 steps; per step the full parameters and gradients (split: `hidden` wrapped
     apart from the root, which holds both ends of the tie)."""
-    fsdp = train.fsdp_module(checks.config(impl) if impl else checks.config())
+    fsdp = train.fsdp_module(policy.config(impl) if impl else policy.config())
     torch.manual_seed(0)
     model = Tied()
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
@@ -165,34 +166,34 @@ def tied_job(impl: str | None, split: bool = False) -> list[dict[str, torch.Tens
 @pytest.mark.parametrize("world", [2, 3])
 def test_activation_checkpointing_matches_fsdp2(request, impl, world, param_dtype, reduce_dtype):
     pool = request.getfixturevalue(f"pool{world}")
-    checks.check_parity(pool, impl, param_dtype, reduce_dtype, num_steps=3, activation_checkpoint="full")
+    checks.check_step(pool, impl, param_dtype, reduce_dtype, num_steps=3, activation_checkpoint="full")
 
 
 @pytest.mark.parametrize("modes", [["bonus1"], ["bonus2"], ["bonus3"], ["bonus1", "bonus2", "bonus3"]],
                          ids=lambda m: "+".join(m))
 def test_activation_checkpointing_with_bonus_modes(pool2, impl, modes):
-    checks.check_parity(pool2, impl, "bfloat16", "float32", num_steps=3, activation_checkpoint="full",
-                        **checks.mode_flags(modes))
+    checks.check_step(pool2, impl, "bfloat16", "float32", num_steps=3, activation_checkpoint="full",
+                        **policy.mode_flags(modes))
 
 
 def test_activation_checkpointing_changes_nothing_numerically(pool2):
     """Recomputing gives the same bits as keeping the activations (FSDP2 with and without)."""
-    with_ac = pool2.run(checks.train_job, checks.as_fsdp2(short(None, activation_checkpoint="full")))
-    without = pool2.run(checks.train_job, checks.as_fsdp2(short(None)))
-    assert with_ac[0][0].losses == without[0][0].losses
+    with_ac = pool2.run(jobs.train_job, policy.as_fsdp2(short(None, activation_checkpoint="full")))
+    without = pool2.run(jobs.train_job, policy.as_fsdp2(short(None)))
+    assert with_ac[0].result.losses == without[0].result.losses
     # The names differ (layers.N._checkpoint_wrapped_module...), the shards must not.
-    assert [[list(s.values()) for s in d] for _, d in with_ac] == [[list(s.values()) for s in d] for _, d in without]
+    assert [[list(s.values()) for s in r.digests] for r in with_ac] == [[list(s.values()) for s in r.digests] for r in without]
 
 
 @pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "float32"), ("none", "none")])
 def test_recompute_around_fsdp_module_matches_fsdp2(pool2, impl, param_dtype, reduce_dtype):
     """torch.utils.checkpoint around the FSDP module: its hooks run again inside backward."""
     cfg = short(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    ref = checks.run(pool2, recompute_outside_job, checks.as_fsdp2(cfg))
+    ref = checks.run(pool2, recompute_outside_job, policy.as_fsdp2(cfg))
     got = checks.run(pool2, recompute_outside_job, cfg)
-    what = "checkpoint around each FSDP block, " + checks.describe(cfg, 2)
-    checks.assert_same_numbers(ref[0][0], got[0][0], what)
-    checks.assert_same_parameters([d for _, d in ref], [d for _, d in got], what)
+    what = "checkpoint around each FSDP block, " + policy.describe(cfg, 2)
+    compare.assert_same_numbers(ref[0].result, got[0].result, what)
+    compare.assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what)
 
 
 # --------------------------------------------------------------------------- meta-device init
@@ -213,7 +214,7 @@ def test_meta_init_equals_full_init(request, impl, world):
 
 def test_meta_init_keeps_fsdp_none_comparable(pool2):
     """Same weights and data: FSDP2's first loss equals DDP's (--fsdp none) bit for bit."""
-    fsdp2 = pool2.run(train.train, checks.as_fsdp2(short(None)))[0]
+    fsdp2 = pool2.run(train.train, policy.as_fsdp2(short(None)))[0]
     ddp = pool2.run(train.train, short(None, fsdp="none"))[0]
     assert fsdp2.losses[0] == ddp.losses[0], (fsdp2.losses, ddp.losses)
 
@@ -221,7 +222,7 @@ def test_meta_init_keeps_fsdp_none_comparable(pool2):
 def test_meta_init_check_fails_without_full_tensor_init(pool2):
     """Proof the check above can fail: DTensor's own random init on a CPU mesh draws the same
     rows on every rank, which is not the full model's init."""
-    cfg = checks.as_fsdp2(short(None))
+    cfg = policy.as_fsdp2(short(None))
     plain = pool2.run(init_digests_job, cfg, True)
     full = pool2.run(init_digests_job, dataclasses.replace(cfg, meta_init=False))
     assert plain[0]["layers.0.attention.wq.weight"] != full[0]["layers.0.attention.wq.weight"]
@@ -233,8 +234,8 @@ def test_meta_init_check_fails_without_full_tensor_init(pool2):
 
 @pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "float32"), ("bfloat16", "float32")])
 def test_world_size_1(pool1, impl, param_dtype, reduce_dtype):
-    checks.check_parity(pool1, impl, param_dtype, reduce_dtype, num_steps=3)
-    checks.check_parity(pool1, impl, param_dtype, reduce_dtype, num_steps=3, activation_checkpoint="full")
+    checks.check_step(pool1, impl, param_dtype, reduce_dtype, num_steps=3)
+    checks.check_step(pool1, impl, param_dtype, reduce_dtype, num_steps=3, activation_checkpoint="full")
 
 
 # --------------------------------------------------------------------------- tied weights
@@ -260,9 +261,9 @@ def test_tied_weights_across_groups_refused(pool2, impl):
 
 def _resume(pool, saver: train.Config, resumer: train.Config, directory: Path):
     """(uninterrupted 6 steps, resumed run's results) with 3 steps saved by `saver`."""
-    whole = checks.run(pool, checks.train_job, dataclasses.replace(resumer, num_steps=6))
-    checks.run(pool, checks.train_job, dataclasses.replace(saver, num_steps=3, checkpoint_dir=directory))
-    resumed = checks.run(pool, checks.train_job, dataclasses.replace(resumer, num_steps=6, checkpoint_dir=directory,
+    whole = checks.run(pool, jobs.train_job, dataclasses.replace(resumer, num_steps=6))
+    checks.run(pool, jobs.train_job, dataclasses.replace(saver, num_steps=3, checkpoint_dir=directory))
+    resumed = checks.run(pool, jobs.train_job, dataclasses.replace(resumer, num_steps=6, checkpoint_dir=directory,
                                                                       resume=True))
     return whole, resumed
 
@@ -270,43 +271,43 @@ def _resume(pool, saver: train.Config, resumer: train.Config, directory: Path):
 @pytest.mark.parametrize("saved_by,resumed_by", [("fsdp2", "fsdp2"), ("effdl", "effdl"), ("fsdp2", "effdl"),
                                                  ("effdl", "fsdp2")])
 def test_resume_is_bit_identical(pool2, impl, tmp_path, saved_by, resumed_by):
-    pick = lambda which: short(impl) if which == "effdl" else checks.as_fsdp2(short(impl))
+    pick = lambda which: short(impl) if which == "effdl" else policy.as_fsdp2(short(impl))
     whole, resumed = _resume(pool2, pick(saved_by), pick(resumed_by), tmp_path)
     what = f"saved by {saved_by} after step 3, resumed by {resumed_by}"
-    assert resumed[0][0].losses == whole[0][0].losses[3:], f"{what}: losses {resumed[0][0].losses}, uninterrupted {whole[0][0].losses}"
-    assert resumed[0][0].grad_norms == whole[0][0].grad_norms[3:], what
-    for rank, ((_, w), (_, r)) in enumerate(zip(whole, resumed)):
-        assert r[1:] == w[4:], f"{what}: rank {rank}'s shards differ from the uninterrupted run's"
+    assert resumed[0].result.losses == whole[0].result.losses[3:], f"{what}: losses {resumed[0].result.losses}, uninterrupted {whole[0].result.losses}"
+    assert resumed[0].result.grad_norms == whole[0].result.grad_norms[3:], what
+    for rank, (w, r) in enumerate(zip(whole, resumed)):
+        assert r.digests[1:] == w.digests[4:], f"{what}: rank {rank}'s shards differ from the uninterrupted run's"
 
 
 def test_resume_with_bf16_and_activation_checkpointing(pool2, impl, tmp_path):
     cfg = short(impl, param_dtype="bfloat16", reduce_dtype="float32", activation_checkpoint="full")
-    whole, resumed = _resume(pool2, checks.as_fsdp2(cfg), cfg, tmp_path)
-    assert resumed[0][0].losses == whole[0][0].losses[3:]
+    whole, resumed = _resume(pool2, policy.as_fsdp2(cfg), cfg, tmp_path)
+    assert resumed[0].result.losses == whole[0].result.losses[3:]
 
 
 def test_resume_at_another_world_size(pool2, pool3, impl, tmp_path):
     """Saved at world size 2, loaded at 2 and at 3: the same full parameters; training goes on."""
     cfg = short(impl, checkpoint_dir=tmp_path)
-    checks.run(pool2, checks.train_job, cfg)
+    checks.run(pool2, jobs.train_job, cfg)
     at2 = checks.run(pool2, loaded_full_digests_job, cfg)[0]
     at3 = checks.run(pool3, loaded_full_digests_job, cfg)[0]
     assert at2 == at3 and at2["step"] == 3
-    more = checks.run(pool3, checks.train_job, dataclasses.replace(cfg, num_steps=5, resume=True))[0][0]
+    more = checks.run(pool3, jobs.train_job, dataclasses.replace(cfg, num_steps=5, resume=True))[0].result
     assert len(more.losses) == 2 and all(l == l and l < 20 for l in more.losses), more.losses
 
 
 def test_resume_refuses_another_run_shape(pool2, tmp_path):
-    checks.run(pool2, checks.train_job, checks.as_fsdp2(short(None, checkpoint_dir=tmp_path)))
+    checks.run(pool2, jobs.train_job, policy.as_fsdp2(short(None, checkpoint_dir=tmp_path)))
     with pytest.raises(RankError, match="--seq-len"):
-        pool2.run(train.train, checks.as_fsdp2(dataclasses.replace(
+        pool2.run(train.train, policy.as_fsdp2(dataclasses.replace(
             short(None, checkpoint_dir=tmp_path, resume=True, seq_len=32), num_steps=5)))
 
 
 @pytest.fixture(scope="module")
 def saved_checkpoint(pool2, tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("ckpt")
-    checks.run(pool2, checks.train_job, checks.as_fsdp2(checks.config(None, num_steps=2, checkpoint_dir=directory,
+    checks.run(pool2, jobs.train_job, policy.as_fsdp2(policy.config(None, num_steps=2, checkpoint_dir=directory,
                                                                        checkpoint_every=1)))
     return directory
 
@@ -357,13 +358,13 @@ def test_dcp_checkpoint_of_another_program_refused(tmp_path):
 
 def test_resume_of_a_finished_run(pool2, tmp_path):
     """Resuming at --num-steps trains nothing and says so; past it is refused, naming the fix."""
-    cfg = checks.as_fsdp2(short(None, checkpoint_dir=tmp_path))
-    checks.run(pool2, checks.train_job, cfg)
-    resumed = checks.run(pool2, checks.train_job, dataclasses.replace(cfg, resume=True))
-    assert resumed[0][0].losses == [], resumed[0][0]
+    cfg = policy.as_fsdp2(short(None, checkpoint_dir=tmp_path))
+    checks.run(pool2, jobs.train_job, cfg)
+    resumed = checks.run(pool2, jobs.train_job, dataclasses.replace(cfg, resume=True))
+    assert resumed[0].result.losses == [], resumed[0].result
     assert "nothing left to train; pass a larger --num-steps" in checkpoint.nothing_left(cfg)
     with pytest.raises(RankError, match=r"is at step 3, past --num-steps 2: pass --num-steps 4 or more"):
-        checks.run(pool2, checks.train_job, dataclasses.replace(cfg, resume=True, num_steps=2, profile_steps=0))
+        checks.run(pool2, jobs.train_job, dataclasses.replace(cfg, resume=True, num_steps=2, profile_steps=0))
 
 
 def test_resume_needs_a_checkpoint_dir():
@@ -377,34 +378,34 @@ def test_resume_needs_a_checkpoint_dir():
 
 
 def test_estimate_of_the_sharded_state_falls_with_world_size():
-    parts = {w: fit.estimate(checks.as_fsdp2(short(None, model="1b")), w, 128256) for w in (1, 2, 4)}
+    parts = {w: fit.estimate(policy.as_fsdp2(short(None, model="1b")), w, 128256) for w in (1, 2, 4)}
     key = "parameters, gradients, AdamW state (float32)"
     assert parts[1][key] == 2 * parts[2][key] == 4 * parts[4][key]
     assert 1.4e9 * 16 < parts[1][key] < 1.6e9 * 16
-    no_meta = fit.estimate(checks.as_fsdp2(short(None, model="1b", meta_init=False)), 2, 128256)
+    no_meta = fit.estimate(policy.as_fsdp2(short(None, model="1b", meta_init=False)), 2, 128256)
     assert no_meta["the full model, built before sharding"] == parts[1][key] // 4
-    ac = fit.estimate(checks.as_fsdp2(short(None, model="1b", activation_checkpoint="full", seq_len=1024)), 2, 128256)
-    assert ac["activations"] < fit.estimate(checks.as_fsdp2(short(None, model="1b", seq_len=1024)), 2, 128256)["activations"]
+    ac = fit.estimate(policy.as_fsdp2(short(None, model="1b", activation_checkpoint="full", seq_len=1024)), 2, 128256)
+    assert ac["activations"] < fit.estimate(policy.as_fsdp2(short(None, model="1b", seq_len=1024)), 2, 128256)["activations"]
 
 
 def test_estimate_follows_width_and_depth_overrides():
     """--dim / --n-layers / --n-heads change the model, so they change the estimate."""
     key = "parameters, gradients, AdamW state (float32)"
-    base = fit.estimate(checks.as_fsdp2(short(None)), 2, 2048)
-    half = fit.estimate(checks.as_fsdp2(short(None, n_layers=3)), 2, 2048)
-    wide = fit.estimate(checks.as_fsdp2(short(None, dim=512, n_heads=16)), 2, 2048)
+    base = fit.estimate(policy.as_fsdp2(short(None)), 2, 2048)
+    half = fit.estimate(policy.as_fsdp2(short(None, n_layers=3)), 2, 2048)
+    wide = fit.estimate(policy.as_fsdp2(short(None, dim=512, n_heads=16)), 2, 2048)
     assert half[key] < base[key] < wide[key], (half[key], base[key], wide[key])
     assert half["activations"] * 2 == base["activations"] < wide["activations"]
 
 
 def test_too_big_is_refused_before_building(pool2):
-    cfg = checks.as_fsdp2(short(None, model="1b", seq_len=128, batch_size=1, num_gradient_accumulation_steps=1))
+    cfg = policy.as_fsdp2(short(None, model="1b", seq_len=128, batch_size=1, num_gradient_accumulation_steps=1))
     with pytest.raises(RankError, match=r"(?s)--model 1b does not fit.*GiB is available.*--no-memory-check"):
         pool2.run(too_big_job, cfg, 8 * 2**30)
 
 
 def test_small_run_fits():
-    cfg = checks.as_fsdp2(short(None))
+    cfg = policy.as_fsdp2(short(None))
     assert fit.check(cfg, 2, 2, 2048, torch.device("cpu")) is None
     with mock.patch.object(fit, "available_bytes", return_value=2**20):
         assert "does not fit" in fit.check(cfg, 2, 2, 2048, torch.device("cpu"))

@@ -1,8 +1,8 @@
-"""harness.grade: a folder of submissions -> one CSV row each; a broken one costs only its row."""
+"""harness.tools.grade: a folder of submissions -> one CSV row each; a broken one costs only its row."""
 
 import csv
 
-from harness import grade
+from harness.tools import grade
 
 
 def test_grade_folder(tmp_path):

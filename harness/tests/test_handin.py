@@ -1,10 +1,10 @@
-"""harness.handin: one command writes the points table and the profiled runs into one folder."""
+"""harness.tools.handin: one command writes the points table and the profiled runs into one folder."""
 
 from pathlib import Path
 
 import pytest
 
-from harness import handin
+from harness.tools import handin
 
 ROOT = Path(__file__).resolve().parents[2]
 SKELETON_UNDONE = "TodoError(\"TODO(task1)" in (ROOT / "fsdp.py").read_text()

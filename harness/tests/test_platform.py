@@ -21,9 +21,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from harness import analysis, collectives, compat, distributed, memory
+from harness import compat, distributed, memory
+from harness.tools import analysis, collectives
 from harness.errors import ConfigError
-from harness.ranks import PRELOAD, start_method
+from harness.tools.ranks import PRELOAD, start_method
 
 ROOT = Path(__file__).resolve().parents[2]
 DARWIN = {**os.environ, compat.SIMULATE: "darwin", "COLUMNS": "200"}
@@ -250,12 +251,12 @@ def test_graded_parity_under_simulated_macos(impl):
     skip_unfinished(impl)
     code = f"""
 import sys
-from harness import checks
-from harness.ranks import RankPool
+from harness.tools import checks
+from harness.tools.ranks import RankPool
 from harness.tests.test_platform import ranks_platform
 with RankPool(2) as pool:
     print("ranks", pool.run(ranks_platform))
-    checks.check_parity(pool, {impl!r}, "bfloat16", "float32")
+    checks.check_step(pool, {impl!r}, "bfloat16", "float32")
     print("parity ok")
     checks.check_memory(pool, {impl!r}, "float32", "float32")  # returns: nothing to compare
     try:
@@ -299,7 +300,7 @@ def test_lock_installs_on(target, installs, tmp_path):
 def test_peaks_not_compared_only_without_exact_cpu_memory(monkeypatch):
     from types import SimpleNamespace
 
-    from harness import checks
+    from harness.tools import checks
 
     cpu, cuda = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
     if not compat.simulated() and memory.exact_available() is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import points
+from harness.tools import points
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,7 +102,7 @@ def test_a_skip_is_never_a_failure(tmp_path):
 
 
 def test_readme_table_is_the_points_table():
-    """The README's points table lists the lines of harness/points.py, in order, with their
+    """The README's points table lists the lines of harness/tools/points.py, in order, with their
     points and tests: the table is defined once, and the README follows it."""
     readme = (ROOT / "README.md").read_text()
     rows = re.findall(r"^\| ([a-z0-9 ]+): (\d+) \| (.*?) \|", readme, re.M)

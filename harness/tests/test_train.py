@@ -22,10 +22,11 @@ import torch
 import tyro
 
 import train
-from harness import checks, distributed, impl, model_setup
+from harness import distributed, impl, model_setup
+from harness.tools import jobs, policy
 from harness.distributed import free_port
 from harness.errors import ConfigError
-from harness.ranks import RankError, RankPool
+from harness.tools.ranks import RankError, RankPool
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = "${workspaceFolder}/.venv/bin/python"
@@ -420,7 +421,7 @@ needs_skeleton = pytest.mark.skipif(not SKELETON_UNDONE, reason="fsdp.py has tas
 @needs_skeleton
 def test_skeleton_stops_at_task1_in_ranks(pool2):
     with pytest.raises(RankError) as e:
-        pool2.run(checks.train_job, checks.config("student"))
+        pool2.run(jobs.train_job, policy.config("student"))
     assert_mentions(str(e.value), "TODO(task1)", "TodoError")
     assert len(set(pool2.run(os.getpid))) == 2  # every rank failed alike: the pool is still usable
 

@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import train
-from harness import checks
-from harness.ranks import RankPool
+from harness.tools import checks, jobs
+from harness.tools.compare import tensor_difference
+from harness.tools.ranks import RankPool
 
 VOCAB, DIM = 19, 12  # 19 rows (embedding, output layer): uneven shards on 2, 3 and 4 ranks, some padded
 
@@ -214,7 +215,7 @@ def unshard_job(model: str, impl: str | None, param_dtype: str, async_op: bool) 
 
 
 def _shards(net: nn.Module, step: int) -> dict[str, torch.Tensor]:
-    checks.assert_sharded(net, step)
+    jobs.assert_sharded(net, step)
     return {name: p.to_local().detach().clone() for name, p in net.named_parameters()}
 
 
@@ -237,7 +238,7 @@ def compare(ref: list[Run], got: list[Run], what: str) -> None:
                     raise AssertionError(f"{what}: {name} is not a parameter of the model {when}")
                 if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
                     raise AssertionError(f"{what}: rank {rank}'s shard of {name} differs from FSDP2's "
-                                         f"{when}: {checks.tensor_difference(x, y)}")
+                                         f"{when}: {tensor_difference(x, y)}")
 
 
 def check(pool: RankPool, model: str, impl: str, param_dtype: str, reduce_dtype: str) -> None:

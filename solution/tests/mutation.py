@@ -103,7 +103,7 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
 }
 
 # Doors a student might try to reach FSDP2 or the checks, each a whole file: the source check
-# (harness/handwritten.py) must refuse every one.
+# (harness/tools/handwritten.py) must refuse every one.
 CHEATS: dict[str, str] = {
     # FSDP2 re-exported under the names train.py calls.
     "reexport": "from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard\n",
@@ -124,7 +124,7 @@ CHEATS: dict[str, str] = {
     # FSDP2 under its older composable path.
     "composable": "from torch.distributed._composable.fsdp import fully_shard\n",
     # The graded checks patched to pass.
-    "patch-checks": "import harness.checks\nharness.checks.check_step = lambda *a, **k: 'ok'\n",
+    "patch-checks": "import harness.tools.checks\nharness.checks.check_step = lambda *a, **k: 'ok'\n",
     # Another module's globals walked to reach what it imported.
     "globals-walk": "import torch\ng = torch.nn.Module.__init__.__globals__\n",
     # The caller's frame (the checks) reached through a traceback.

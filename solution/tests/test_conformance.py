@@ -7,8 +7,8 @@ is the same either way round, with three the order in which gloo adds them chang
 
 import pytest
 
-from harness.checks import PRECISIONS
-from harness.ranks import RankPool
+from harness.tools.policy import PRECISIONS
+from harness.tools.ranks import RankPool
 from solution import make_skeleton
 from solution.tests import conformance
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.schedule import WAIT_RANGE
+from harness.tools.schedule import WAIT_RANGE
 from harness.trace import GROUP_RANGE
 from solution import fsdp
 

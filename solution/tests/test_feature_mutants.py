@@ -4,8 +4,8 @@ solution/tests/mutation.py). Each mutant's snippet must still be in solution/fsd
 
 import pytest
 
-from harness import checks
-from harness.ranks import RankError
+from harness.tools import checks, jobs
+from harness.tools.ranks import RankError
 from harness.tests import test_features as features
 from solution.tests.mutation import write_mutant
 
@@ -29,16 +29,16 @@ def test_recompute_check_fails_without_recompute_handling(mutant, pool2):
 def test_torchtitan_order_does_not_need_recompute_handling(mutant, pool2):
     """Why the recompute-around-the-module test exists: with torchtitan's order (checkpoint inside
     fully_shard) FSDP's hooks sit outside the recompute, so this mutant still matches FSDP2 there."""
-    checks.check_parity(pool2, mutant("no-recompute-handling"), "float32", "float32", num_steps=2,
+    checks.check_step(pool2, mutant("no-recompute-handling"), "float32", "float32", num_steps=2,
                         activation_checkpoint="full")
 
 
 def test_meta_init_fails_without_to_empty_support(mutant, pool2):
     cfg = features.short(mutant("no-to-empty"))
     with pytest.raises(RankError, match="(?s)to_empty\\(\\) after fully_shard.*--no-meta-init"):
-        checks.run(pool2, checks.train_job, cfg)
+        checks.run(pool2, jobs.train_job, cfg)
     # ... and it is only that: building the full model first, the mutant matches FSDP2.
-    checks.check_parity(pool2, cfg.impl, "float32", "float32", num_steps=2, meta_init=False)
+    checks.check_step(pool2, cfg.impl, "float32", "float32", num_steps=2, meta_init=False)
 
 
 def test_tied_weights_check_fails_without_aliases(mutant, pool2):

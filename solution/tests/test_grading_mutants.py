@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import checks, handwritten
+from harness.tools import checks, handwritten, jobs, policy
 from solution.tests.mutation import CHEATS, write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,9 +42,9 @@ def test_source_check_accepts_reference_and_skeleton():
 
 def test_runtime_check_sees_fsdp2(pool2, mutant):
     """Without the source check, the run itself gives FSDP2 away (exported objects, classes, ops)."""
-    runs = checks.run(pool2, checks.forward_job, checks.config(mutant("reexport")))
+    runs = checks.run(pool2, jobs.forward_job, policy.config(mutant("reexport")))
     assert all(r.fsdp2 for r in runs), [r.fsdp2 for r in runs]
-    clean = checks.run(pool2, checks.forward_job, checks.config(str(SOLUTION)))
+    clean = checks.run(pool2, jobs.forward_job, policy.config(str(SOLUTION)))
     assert not any(r.fsdp2 for r in clean)
 
 

@@ -1,8 +1,8 @@
-"""harness.handin on the reference: the points table and both profiled runs, nothing failed."""
+"""harness.tools.handin on the reference: the points table and both profiled runs, nothing failed."""
 
 import json
 
-from harness import handin
+from harness.tools import handin
 
 
 def test_handin_writes_points_traces_and_snapshots(tmp_path):

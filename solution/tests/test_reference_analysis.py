@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import analysis
+from harness.tools import analysis
 from harness.tests.test_analysis import (
     FSDP2_MAX_HIDDEN, assert_counts, assert_every_collective_found_running, assert_memory, profiled_run,
 )

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from harness import checks
+from harness.tools import checks
 from solution import make_skeleton
 from solution.make_skeleton import SkeletonError, render
 
@@ -78,7 +78,7 @@ def test_task1_only_trains_like_fsdp2(pool2, tmp_path):
     task1_only = tmp_path / "task1_only.py"
     task1_only.write_text(render(make_skeleton.SOLUTION.read_text(), strip=set(make_skeleton.TAGS) - {"task1"}))
     for param_dtype, reduce_dtype in [("float32", "float32"), ("bfloat16", "float32")]:
-        checks.check_parity(pool2, str(task1_only), param_dtype, reduce_dtype)
+        checks.check_step(pool2, str(task1_only), param_dtype, reduce_dtype)
 
 
 def test_tasks_1_to_3_without_bonuses_pass_the_task_tests(pool2, tmp_path):
@@ -90,7 +90,7 @@ def test_tasks_1_to_3_without_bonuses_pass_the_task_tests(pool2, tmp_path):
     checks.assert_overlap(profiles, "forward")
     checks.assert_overlap(profiles, "backward")
     checks.check_memory(pool2, str(tasks_only), "float32", "float32")
-    checks.check_residency(pool2, str(tasks_only))
+    checks.check_step(pool2, str(tasks_only), "float32", "float32")
 
 
 def test_readme_table_of_lines_per_task_is_current():

@@ -4,7 +4,7 @@ drop-in for fully_shard, so by hand they give what FSDP2's give."""
 import pytest
 import torch
 
-from harness import checks
+from harness.tools import checks, compare
 from solution import make_skeleton
 from solution.tests import conformance
 
@@ -28,4 +28,4 @@ def test_unshard_and_reshard_match_fsdp2(request, world, model, param_dtype, asy
                         x, y = x[0], y[0]
                     assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (
                         f"rank {rank}, {a['when']}: {name} after {'unshard' if kind == 'full' else 'reshard'} "
-                        f"differs from FSDP2's: {checks.tensor_difference(x, y)}")
+                        f"differs from FSDP2's: {compare.tensor_difference(x, y)}")

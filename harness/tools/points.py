@@ -1,7 +1,7 @@
 """The handout's points table, defined once.
 
 conftest.py prints it at the end of every run of test.py (and writes it with --points-json),
-`harness.grade` makes its CSV columns from it, `harness.handin` its summary, and a test keeps
+`harness.tools.grade` makes its CSV columns from it, `harness.tools.handin` its summary, and a test keeps
 the README's table in step with it. A line earns its points only when every case of its tests
 ran and passed; a failure costs the whole line; a line whose cases did not all run, or skipped,
 is not graded (None), and the total counts only graded lines.

@@ -1,8 +1,8 @@
 """Hand-in: everything the handout asks students to attach, written into one folder.
 
-    uv run python -m harness.handin                      # fsdp.py, into handin/
-    uv run python -m harness.handin --impl my_fsdp.py --out handin/
-    uv run python -m harness.handin -- -m task1          # arguments after -- go to pytest
+    uv run python -m harness.tools.handin                      # fsdp.py, into handin/
+    uv run python -m harness.tools.handin --impl my_fsdp.py --out handin/
+    uv run python -m harness.tools.handin -- -m task1          # arguments after -- go to pytest
 
 It writes
   points.json, test-output.txt   the points table of `pytest test.py` (and its whole output);
@@ -75,20 +75,20 @@ def attempted_bonuses(impl_file: Path, points: dict | None) -> list[str]:
 
 def profile_runs(impl: str, out: Path, runs: list[str], world_size: int) -> list[str]:
     """Profiled runs of FSDP2 and of the hand-written FSDP; the failures, one line each."""
-    from harness import checks
-    from harness.ranks import RankError, RankPool
+    from harness.tools import jobs, policy
+    from harness.tools.ranks import RankError, RankPool
 
     failures = []
     with RankPool(world_size) as pool:
         for name in runs:
-            flags = {} if name == "tasks" else checks.MODES[name].flags
-            cfg = checks.config(impl, num_steps=3, profile_steps=2, **flags)
-            for who, c in (("fsdp2", checks.as_fsdp2(cfg)), ("effdl", cfg)):
+            flags = {} if name == "tasks" else policy.MODES[name].flags
+            cfg = policy.config(impl, num_steps=3, profile_steps=2, **flags)
+            for who, c in (("fsdp2", policy.as_fsdp2(cfg)), ("effdl", cfg)):
                 folder = out / name / who
                 c = dataclasses.replace(c, traces_dir=folder / "traces", snapshots_dir=folder / "snapshots")
                 print(f"profiling {name} with {'FSDP2' if who == 'fsdp2' else impl}", flush=True)
                 try:
-                    pool.run(checks.train_job, c, timeout=600)
+                    pool.run(jobs.train_job, c, False, timeout=600)  # the trace as the program runs
                 except RankError as e:
                     lines = [line for line in str(e).splitlines() if line.strip()]
                     error = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "?")
@@ -133,7 +133,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.handin"))
+    main(parse(Args, argv, prog="python -m harness.tools.handin"))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The writeup report's markdown, plots and JSON, rendered from its typed results (harness/report_results.py).
+"""The writeup report's markdown, plots and JSON, rendered from its typed results (harness/tools/report_results.py).
 
 Nothing here measures: `render` writes DIR/report.md, DIR/*.png and DIR/report.json from a Report.
 """
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from harness.memory_model import PerRank
-from harness.report_results import Report, label, to_json
+from harness.tools.report_results import Report, label, to_json
 
 MiB = 2**20
 NAMES = {"none": "DDP (no sharding)", "noprefetch": "hand-written, no prefetch",
@@ -142,7 +142,7 @@ def step_time_section(report: Report) -> list[str]:
           f"Median over {report.plan.repeats} interleaved runs of each run's median step; ratio to FSDP2. Communication "
           "share: collective wall time (union of intervals per kind) / step time; hidden share: the part of "
           "the model's collectives (DDP: all-reduces; FSDP: all-gathers and reduce-scatters) during which "
-          "compute ran (harness/collectives.py, one profiled run each).", "",
+          "compute ran (harness/tools/collectives.py, one profiled run each).", "",
           "| run | step (ms) | / FSDP2 | comm share | hidden share | all-gather hidden | reduce-scatter hidden |",
           "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in report.step_time:

@@ -1,7 +1,7 @@
 """Grade submissions: one file or a folder of them -> one CSV row each (points per task).
 
-    uv run python -m harness.grade submissions/ --out points.csv
-    uv run python -m harness.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
+    uv run python -m harness.tools.grade submissions/ --out points.csv
+    uv run python -m harness.tools.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
 
 Each submission runs `pytest test.py --impl FILE` in its own process group with a time limit, so
 one that hangs or crashes costs only its own row.
@@ -24,7 +24,7 @@ import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
-from harness.points import LINES
+from harness.tools.points import LINES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.grade"))
+    main(parse(Args, argv, prog="python -m harness.tools.grade"))
 
 
 if __name__ == "__main__":

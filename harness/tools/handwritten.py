@@ -8,7 +8,7 @@ Two layers, because each closes what the other cannot:
   patch the checks that run next to it in the same process. A real FSDP needs none of it.
 - At run time, whatever route was taken: FSDP2's classes, module state or hooks on the
   wrapped model (`model_problem`), FSDP2's custom ops (`fsdp::...`) or FSDP2's source files
-  on the Python stack of any collective (`stack_problem`, called by checks.CommLog).
+  on the Python stack of any collective (`stack_problem`, called by jobs.CommLog).
 
 Either one fails every graded test with FSDP2_USED.
 """

@@ -1,0 +1,336 @@
+"""The checks behind test.py, as plain functions over a RankPool.
+
+Each `check_*` runs FSDP2 and a hand-written FSDP (`impl`: student or a .py path) in the same
+spawned process group (the rank jobs: jobs.py), compares what they did (compare.py) by the
+course's rules (policy.py), and raises AssertionError saying exactly what differs. Every check
+has been run against deliberately broken variants of a correct FSDP and fails there
+(solution/tests/test_*mutants.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import train
+from harness import assets, memory, model_setup
+from harness.tools import handwritten
+from harness.tools.analysis import RunStats, analyze_run
+from harness.tools.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
+                                   tensor_difference, ulps)
+from harness.tools.jobs import Run, forward_job, live_tensor_bytes, odd_shapes_job, shard_job, train_job
+from harness.tools.policy import MODES, OVERLAP, as_fsdp2, config, describe, mode_flags
+from harness.tools.ranks import RankError, RankPool
+
+
+# --------------------------------------------------------------------------- running both
+
+
+def run(pool: RankPool, fn, *args):
+    """pool.run, with a check that failed on the ranks raised here as an AssertionError."""
+    __tracebackhide__ = True  # the student's line is in the ranks' traceback, not here
+    cfg = next((a for a in args if isinstance(a, train.Config)), None)
+    where = f"[{describe(cfg, pool.world_size)}, {cfg.fsdp if cfg.fsdp != 'effdl' else 'hand-written'}] " if cfg else ""
+    try:
+        return pool.run(fn, *args, timeout=300)
+    except RankError as e:
+        if "AssertionError: " in str(e) and "hung" not in str(e):
+            raise AssertionError(where + str(e)) from None
+        raise type(e)(where + str(e)) from None
+
+
+def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[Run]]:
+    """FSDP2's and the hand-written FSDP's runs of `job`; fails at once if the latter is FSDP2."""
+    __tracebackhide__ = True
+    ref = run(pool, job, as_fsdp2(cfg))
+    got = run(pool, job, cfg)
+    for rank, r in enumerate(got):
+        if r.fsdp2:
+            raise AssertionError(f"{cfg.impl}: {handwritten.verdict(r.fsdp2)} [rank {rank}]")
+    return ref, got
+
+
+def measure_shard(pool: RankPool, cfg: train.Config):
+    """For assert_same_parameters: train both again up to the step where a shard first differs and
+    say by how much (the runs are deterministic: the same bits again)."""
+    def measure(rank: int, step: int, name: str) -> str:
+        try:
+            x = run(pool, shard_job, as_fsdp2(cfg), step, name)[rank]
+            y = run(pool, shard_job, cfg, step, name)[rank]
+            return f": {tensor_difference(x, y)}"
+        except (AssertionError, RankError) as e:
+            return f" (could not measure by how much: {str(e).splitlines()[0][:200]})"
+    return measure
+
+
+# --------------------------------------------------------------------------- task 1
+
+
+def check_forward(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str) -> str:
+    """Task 1, forward: the first forward's loss bit-identical to FSDP2's on every rank, parameters
+    Shard(0) DTensors before and the blocks' after, each block's gathered parameters freed after
+    its forward, and the forward's all-gathers (dtype, bytes) FSDP2's. Returns the evidence."""
+    __tracebackhide__ = True
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    what = describe(cfg, pool.world_size) + ", first forward"
+    ref, got = run_graded(pool, forward_job, cfg)
+    for rank, (a, b) in enumerate(zip(ref, got)):
+        if b.problems:
+            raise AssertionError(f"{what}: rank {rank}: " + "; ".join(b.problems[:3]))
+        if a.forward_loss != b.forward_loss:
+            raise AssertionError(f"{what}: rank {rank}'s loss is {b.forward_loss!r}, FSDP2's {a.forward_loss!r} "
+                                 f"({ulps(a.forward_loss, b.forward_loss)}): the gathered parameters differ "
+                                 "from FSDP2's (rows, padding, casts: H1, H6)")
+    return assert_same_comm(ref, got, "forward", what)
+
+
+def check_step(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
+    """Task 1, step: every loss, grad norm and shard bit-identical to FSDP2's; gathered parameters
+    and full gradients freed by the end of each step; every collective's dtype and bytes FSDP2's."""
+    __tracebackhide__ = True
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
+    what = describe(cfg, pool.world_size)
+    ref, got = run_graded(pool, train_job, cfg)
+    for rank, r in enumerate(got):
+        if r.problems:
+            raise AssertionError(f"{what}: rank {rank}: " + "; ".join(r.problems[:3]))
+    assert_same_numbers(ref[0].result, got[0].result, what)
+    assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, measure_shard(pool, cfg))
+    evidence = [assert_same_comm(ref, got, phase, what) for phase in ("forward", "backward")]
+    return f"{len(got[0].result.losses)} steps bit-identical; " + "; ".join(evidence)
+
+
+def check_odd_shapes(pool: RankPool, impl: str) -> str:
+    """Rows that do not divide by the world size, and empty shards: every parameter and gradient,
+    after every step, equal to FSDP2's. Returns the evidence."""
+    __tracebackhide__ = True
+    ref = run(pool, odd_shapes_job, None)[0]
+    got = run(pool, odd_shapes_job, impl)[0]
+    for name, values in ref.items():
+        if name not in got:
+            raise AssertionError(f"odd shapes, world {pool.world_size}: {name.removesuffix('.grad')} has no "
+                                 f"{'gradient' if name.endswith('.grad') else 'value'} in the hand-written run")
+        for step, (a, b) in enumerate(zip(values, got[name]), start=1):
+            if not torch.equal(a, b):
+                raise AssertionError(f"odd shapes, world {pool.world_size}: {name} differs from FSDP2's "
+                                     f"at step {step} (max abs diff {(a - b).abs().max().item():.3g}); "
+                                     "check padding of shards that torch.chunk leaves short or empty")
+    return f"odd shapes: {len(ref)} parameters and gradients equal over {len(next(iter(ref.values())))} steps"
+
+
+# --------------------------------------------------------------------------- memory (task 3, bonuses)
+
+
+def memory_job(cfg: train.Config) -> tuple[list[int], int, list[int]]:
+    """This rank's peak memory per step, the bytes of one block's reduce-scatter input, and the
+    bytes of live tensors at the end of each step."""
+    from torchtitan.models.llama3.model.model import TransformerBlock
+
+    with torch.device("meta"):
+        block = TransformerBlock(0, model_setup.model_args(cfg.model, cfg.seq_len, assets.vocab_size()))
+    dtype = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
+    block_bytes = sum(p.numel() for p in block.parameters()) * dtype.itemsize
+    live = []
+    inspect = lambda model, step: step and live.append(live_tensor_bytes())
+    return train.train(cfg, inspect=inspect).peak_memory, block_bytes, live
+
+
+# Peak memory is the peak resident set per step, with --exact-cpu-memory so that it follows every free. The
+# hand-written FSDP may exceed FSDP2's by what overlapping costs on gloo plus jitter: gloo copies a
+# reduce-scatter's input when it is issued and keeps the copy while it runs, i.e. during the next
+# block's backward (FSDP2 on CPU waits at once). That is one block's reduce-scatter input: 3.25 MiB
+# in float32 at world 2 for the debug model. Measured for the reference (4 precision cases, twice):
+# at most +2.9 MiB over FSDP2; peaks of one configuration vary by up to 1.9 MiB between runs.
+JITTER = 2 * 2**20
+
+
+# Leaks are found exactly by the bytes of live tensors at the end of each step (equal from step 1
+# on for FSDP2 and the reference). Peak RSS also sees what Python cannot (buffers kept by C++ or
+# gloo), but varies between steps by a few MiB under load (3.1 MiB seen), so only larger growth counts.
+GROWTH_MARGIN = 12 * 2**20  # a leak of >= 6 MiB per step shows over the 2 steps compared
+
+
+def peaks_not_compared(pool: RankPool) -> str | None:
+    """Why check_memory compares no peaks here (no exact per-step CPU peaks: macOS), or None."""
+    return None if pool.device == "cuda" else memory.exact_available()
+
+
+def skip_if_peaks_not_compared(pool: RankPool) -> None:
+    """At the end of a test whose other checks passed: say that its peaks were not compared."""
+    if why := peaks_not_compared(pool):
+        import pytest
+
+        pytest.skip(f"all else passed; peak memory per step not compared: {why}")
+
+
+def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
+    """Peak memory per step within one reduce-scatter buffer of FSDP2's, and no growth.
+
+    Each run gets fresh ranks forked from the same preloaded image, so absolute peaks compare
+    (in a long-lived process, what earlier jobs left behind shifts them by megabytes)."""
+    __tracebackhide__ = True
+    if why := peaks_not_compared(pool):
+        return f"peaks not compared: {why}"  # the test says so at its end: skip_if_peaks_not_compared
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, exact_cpu_memory=True, **overrides)
+    what = describe(cfg, pool.world_size)
+    peaks, worst = {}, -float("inf")
+    for name, c in (("FSDP2", as_fsdp2(cfg)), ("hand-written", cfg)):
+        with RankPool(pool.world_size, device=pool.device) as fresh:
+            peaks[name] = run(fresh, memory_job, c)
+    mib = lambda n: f"{n / 2**20:.2f} MiB"
+    for rank, ((ref, block_bytes, _), (got, _, live)) in enumerate(zip(peaks["FSDP2"], peaks["hand-written"])):
+        if any(n != live[1] for n in live[1:]):  # step 1 may still create state (the optimizer's)
+            raise AssertionError(f"{what}: rank {rank} holds {', '.join(mib(n) for n in live)} of tensors at the end of "
+                                 f"steps 1 to {len(live)} (each distinct storage a Python-visible tensor holds): "
+                                 "something leaks every step (a list or attribute that keeps tensors)")
+        if (growth := got[-1] - got[1]) > GROWTH_MARGIN:
+            raise AssertionError(f"{what}: rank {rank}'s peak memory grows by {mib(growth)} from step 2 to "
+                                 f"step {len(got)} ({', '.join(mib(x) for x in got)}): something leaks every step")
+        margin = block_bytes + JITTER
+        steady_ref, steady = max(ref[1:]), max(got[1:])  # step 1 also pays one-time allocations
+        worst = max(worst, steady - steady_ref)
+        if steady > steady_ref + margin:
+            raise AssertionError(
+                f"{what}: rank {rank}'s peak memory per step is {mib(steady)}, FSDP2's {mib(steady_ref)} "
+                f"(+{mib(steady - steady_ref)}, allowed {mib(margin)}: one block's reduce-scatter buffer "
+                "and jitter): something is kept longer than FSDP2 keeps it (gathered parameters, "
+                "gradients, communication buffers)")
+    return f"peak {worst / 2**20:+.1f} MiB over FSDP2 (allowed +{(block_bytes + JITTER) / 2**20:.1f})"
+
+
+# --------------------------------------------------------------------------- overlap (tasks 2, 3) and the bonuses
+
+
+@dataclasses.dataclass
+class Profiles:
+    """One profiled run of FSDP2 and of the hand-written FSDP, analysed."""
+
+    what: str
+    fsdp2: RunStats
+    effdl: RunStats
+
+
+def profile_both(pool: RankPool, impl: str, folder, memory: bool = False, **overrides) -> Profiles:
+    __tracebackhide__ = True
+    cfg = config(impl, num_steps=3, profile_steps=2, **overrides)
+    return run_profiled(pool, cfg, folder, describe(cfg, pool.world_size), memory=memory)[0]
+
+
+def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, memory: bool = False):
+    """Profiled runs of FSDP2 and the hand-written FSDP (same config otherwise): their analysed
+    traces under folder/<fsdp2|effdl>/traces, and per implementation each rank's Run (train_job). The checks read the schedule and the collectives only, so by default there are
+    no allocation events and no snapshots (memory=True: snapshots in folder/<...>/snapshots)."""
+    __tracebackhide__ = True
+    results, stats = {}, {}
+    for name, cfg in (("fsdp2", as_fsdp2(cfg_effdl)), ("effdl", cfg_effdl)):
+        cfg = dataclasses.replace(cfg, traces_dir=folder / name / "traces", profile_memory=memory,
+                                  snapshots_dir=folder / name / "snapshots" if memory else None)
+        results[name] = run(pool, train_job, cfg, False)  # unobserved: the trace as the program runs
+        stats[name] = analyze_run(cfg.traces_dir)
+    return Profiles(what, stats["fsdp2"], stats["effdl"]), results
+
+
+def assert_same_collectives(p: Profiles, promise: str = "") -> None:
+    """The same number of all-gathers and reduce-scatters as FSDP2, phase by phase."""
+    __tracebackhide__ = True
+    for kind in ("all_gather", "reduce_scatter"):
+        a, b = p.fsdp2.comm.kind(kind).count_by_phase, p.effdl.comm.kind(kind).count_by_phase
+        if a != b:
+            raise AssertionError(
+                f"{p.what}: {kind.replace('_', '-')}s per step by phase: FSDP2 {fmt(a)}, hand-written "
+                f"{fmt(b)}{promise}. Expected one per group and micro-step where FSDP2 has one; an extra "
+                "all-gather in backward often means the root was resharded after forward (FSDP2 keeps "
+                "it gathered), a missing one a prefetch that was never waited for")
+
+
+def assert_overlap(p: Profiles, which: str) -> str:
+    """Every collective of the phase that FSDP's schedule can overlap (all but the first all-gather
+    and the last reduce-scatter of a pass, see schedule.must_overlap) is issued before, and waited
+    for after, compute of another group."""
+    __tracebackhide__ = True
+    assert_same_collectives(p)
+    shown = []
+    for kind, phase, fix in OVERLAP[which]:
+        if not p.effdl.comm.kind(kind).by_phase[phase].count:
+            continue  # a mode without such collectives (no all-gather in backward, say)
+        done, could, missed = p.effdl.overlap(kind, phase)
+        ref_done, ref_could, _ = p.fsdp2.overlap(kind, phase)
+        name = f"{kind.replace('_', '-')}s in {phase}"
+        issued = sum(s.kind(kind).by_phase[phase].count for s in p.effdl.steps)
+        if (placed := sum((s.kind, s.phase) == (kind, phase) for s in p.effdl.scheduled)) < issued:
+            raise AssertionError(
+                f"{p.what}: {name}: {issued - placed:g} of {issued:g} were issued outside a group's "
+                f"`FSDP::{'all_gather' if kind == 'all_gather' else 'post_backward_reduce'} (name)` range, so "
+                "where they are waited for cannot be told: issue them in FSDPGroup.unshard / reduce_scatter.")
+        if missed:
+            s = missed[0]
+            where = (f"rank {s.rank}, step {s.step}: {s.group}'s was waited for before any other group computed"
+                     if s.waited is not None else
+                     f"rank {s.rank}, step {s.step}: {s.group}'s was never waited for in FSDP's ranges "
+                     "(all_gather_copy_out / PendingReduce.finish)")
+            raise AssertionError(
+                f"{p.what}: {name}: {done} of the {could} that can overlap compute did ({where}; FSDP2 on "
+                f"CPU: {ref_done} of {ref_could}, it waits at once). They are not overlapped: {fix}.")
+        hidden = p.effdl.comm.kind(kind).by_phase[phase].hidden_fraction
+        shown.append(f"{phase} {kind.replace('_', '-')}s {done}/{could} overlapped ({hidden:.0%} of their time hidden)")
+    return ", ".join(shown)
+
+
+def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder) -> str:
+    """One profiled run each of FSDP2 and the hand-written FSDP in the given bonus modes: the
+    collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
+    every loss, grad norm and parameter shard equals FSDP2's."""
+    __tracebackhide__ = True
+    cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, num_steps=3, profile_steps=1,
+                 **mode_flags(modes))
+    label = " + ".join(MODES[m].name for m in modes)
+    what = f"{label}, {describe(cfg, pool.world_size)}"
+    profiles, results = run_profiled(pool, cfg, folder, what)
+    stats = {"fsdp2": profiles.fsdp2, "effdl": profiles.effdl}
+    # FSDP groups as FSDP2 labels them (each block and the root; the model is never built here)
+    groups = len({s.group for s in profiles.fsdp2.scheduled if s.kind == "all_gather"})
+    if not groups:
+        raise RuntimeError(f"{what}: FSDP2's trace shows no `FSDP::all_gather (name)` range: this torch "
+                           "labels FSDP2's phases differently; update GROUP_RANGE in harness/trace.py")
+    for m in modes:
+        for who in ("fsdp2", "effdl"):
+            s = stats[who].comm
+            if not MODES[m].holds(s, groups):
+                shown = {k: fmt(s.kind(k).count_by_phase) for k in ("all_gather", "reduce_scatter")}
+                raise AssertionError(
+                    f"{what}: {'FSDP2' if who == 'fsdp2' else 'the hand-written FSDP'} breaks the promise of "
+                    f"{MODES[m].name}: {MODES[m].promise}; the trace shows per step all-gathers "
+                    f"{shown['all_gather']}, reduce-scatters {shown['reduce_scatter']} ({groups} groups, "
+                    f"{cfg.num_gradient_accumulation_steps} micro-steps)")
+    assert_same_collectives(profiles, f" (in {label})")
+    hidden = [assert_overlap(profiles, which) for which in ("forward", "backward")]
+    ref, got = results["fsdp2"], results["effdl"]
+    assert_same_numbers(ref[0].result, got[0].result, what)
+    assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, measure_shard(pool, cfg))
+    return f"{MODES[modes[-1]].promise}; " + ", ".join(h for h in hidden if h)
+
+
+# --------------------------------------------------------------------------- hand-written, not FSDP2
+
+
+_NOT_FSDP2: dict[str, str | None] = {}
+
+
+def check_not_fsdp2(pool: RankPool, impl: str) -> None:
+    """The file is not PyTorch's FSDP2: its source (static_problem) and one wrapped forward on the
+    ranks (classes, state, hooks, ops, stack). Once per file and process."""
+    __tracebackhide__ = True
+    if impl not in _NOT_FSDP2:
+        from harness.impl import impl_path
+
+        problem = handwritten.static_problem(impl_path(impl))
+        if problem is None:
+            cfg = config(impl)
+            try:
+                problem = next((r.fsdp2 for r in run(pool, forward_job, cfg) if r.fsdp2), None)
+            except RankError:
+                problem = None  # its forward crashes: the graded tests say where
+        _NOT_FSDP2[impl] = problem
+    if _NOT_FSDP2[impl]:
+        raise AssertionError(f"{impl}: {handwritten.verdict(_NOT_FSDP2[impl])}")

@@ -1,0 +1,301 @@
+"""What runs on the ranks: the jobs a RankPool runs in every rank, each returning what one rank saw.
+
+`train_job` trains exactly as train.py does (it calls `train.train`) and records, per rank, what
+the checks compare with FSDP2's run: the losses and grad norms, a digest of every parameter shard
+after wrapping and after every step, the gathered parameters and full gradients still alive when
+they should be freed (Probes), every all-gather and reduce-scatter with its dtype and bytes
+(CommLog), and whether FSDP2 itself ran. `forward_job` stops after the first forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train
+from harness import model_setup
+from harness.distributed import agree, current_device
+from harness.tools import handwritten
+from harness.tools.policy import config
+from harness.tools.schedule import marked_waits
+
+
+# --------------------------------------------------------------------------- parameter shards
+
+
+def digest(p: torch.Tensor) -> str:
+    local = p.to_local() if isinstance(p, DTensor) else p
+    return hashlib.sha256(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def assert_sharded(model: nn.Module, step: int) -> None:
+    """Every parameter is a Shard(0) DTensor on the world mesh with torch.chunk's rows."""
+    agree(sharding_error(model, step))
+
+
+def sharding_error(model: nn.Module, step: int) -> str | None:
+    when = "after wrapping" if step == 0 else f"after step {step}"
+    world = dist.get_world_size()
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            return (f"{when}: parameter {name} is a {type(p).__name__}, not a DTensor "
+                    "(between steps every parameter must be sharded)")
+        if tuple(p.placements) != (Shard(0),) or p.device_mesh.size() != world:
+            return (f"{when}: parameter {name} has placements {p.placements} on a mesh of "
+                    f"{p.device_mesh.size()} ranks; expected (Shard(0),) on {world}")
+    return model_setup.row_layout_error(model, when)
+
+
+# --------------------------------------------------------------------------- what a rank observes
+
+
+# Collective ops as the dispatcher sees them (eager c10d and functional), by kind; the input
+# tensor is what each rank puts on the wire.
+_COLLECTIVES = {
+    "_allgather_base_": ("all_gather", 1), "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "all_gather_into_tensor": ("all_gather", 0), "all_gather_into_tensor_coalesced": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+}
+
+
+class CommLog(TorchDispatchMode):
+    """Every all-gather and reduce-scatter a rank issues: (step, phase, kind, dtype, bytes), and
+    whether FSDP2 issued it (its ops or its source on the stack)."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0  # set by the job: 0 is wrapping, then the optimizer step under way
+        self.events: list[tuple[int, str, str, str, int]] = []
+        self.fsdp2: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func.__name__.split(".")[0]
+        if ns == "fsdp" and self.fsdp2 is None:
+            self.fsdp2 = f"it runs FSDP2's op fsdp::{name}"
+        if ns in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
+            kind, index = _COLLECTIVES[name]
+            tensors = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            for t in tensors:
+                self.events.append((self.step, phase, kind, str(t.dtype).removeprefix("torch."),
+                                    t.numel() * t.element_size()))
+            if self.fsdp2 is None:
+                self.fsdp2 = handwritten.stack_problem()
+        return func(*args, **kwargs)
+
+    def sent(self, phase: str) -> dict:
+        """{(kind, dtype, bytes): count} of one phase, over all steps after wrapping."""
+        out: dict = {}
+        for step, ph, kind, dtype, nbytes in self.events:
+            if step > 0 and ph == phase:
+                out[(kind, dtype, nbytes)] = out.get((kind, dtype, nbytes), 0) + 1
+        return out
+
+
+def fsdp2_problem(model: nn.Module, cfg: train.Config) -> str | None:
+    if cfg.fsdp != "effdl":
+        return None
+    return handwritten.module_problem(train.fsdp_module(cfg)) or handwritten.model_problem(model)
+
+
+class Probes:
+    """Hooks on every block: its gathered (non-DTensor) parameters must be freed after its
+    forward (when it reshards after forward) and, with their full gradients, by the end of
+    each step. Freed means dropped, or storage resized to zero (tensors autograd still holds)."""
+
+    def __init__(self, model: nn.Module, reshard_after_forward: bool):
+        self.problems: list[str] = []
+        self.gathered: dict[str, list[weakref.ref]] = {}
+        self.grads: dict[str, list[weakref.ref]] = {}
+        self._hooked: set[int] = set()
+        for name, block in model.layers.named_children():
+            self._probe(f"layers.{name}", block, reshard_after_forward)
+
+    @staticmethod
+    def alive(refs: list[weakref.ref]) -> int:
+        return sum(t.untyped_storage().nbytes() for r in refs if (t := r()) is not None)
+
+    def _probe(self, name: str, block: nn.Module, reshard_after_forward: bool) -> None:
+        # Registered after fully_shard: the pre-hook runs after FSDP's (prepended) pre-forward,
+        # the post-hook after FSDP's post-forward.
+        def pre(module, args):
+            full = [p for p in module.parameters() if not isinstance(p, DTensor)]
+            self.gathered[name] = [weakref.ref(p) for p in full]
+            for p in full:
+                if p.requires_grad and id(p) not in self._hooked:
+                    self._hooked.add(id(p))
+                    p.register_hook(lambda g, n=name: self.grads.setdefault(n, []).append(weakref.ref(g)) or g)
+
+        def post(module, args, output):
+            if reshard_after_forward and (n := self.alive(self.gathered.get(name, []))):
+                self.problems.append(f"{name}: {n / 2**20:.2f} MiB of gathered parameters still alive after its "
+                                     "forward (reshard_after_forward=True: free them in post-forward)")
+
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+
+    def after_step(self, step: int) -> None:
+        if not self.gathered:
+            self.problems.append(f"step {step}: no block computed with full (non-DTensor) parameters")
+        for name, refs in self.gathered.items():
+            if n := self.alive(refs):
+                self.problems.append(f"{name}: {n / 2**20:.2f} MiB of gathered parameters still alive after "
+                                     f"step {step} (free them after backward)")
+            kept = sum(g.untyped_storage().nbytes() for r in refs if (p := r()) is not None and (g := p.grad) is not None)
+            kept += self.alive(self.grads.pop(name, []))
+            if kept:
+                self.problems.append(f"{name}: {kept / 2**20:.2f} MiB of full gradients still alive after step "
+                                     f"{step} (free them once they are laid out for the reduce-scatter)")
+
+
+@dataclasses.dataclass
+class Run:
+    """What one rank saw of one run: numbers, shard digests, memory problems, collectives."""
+
+    result: "train.TrainResult | None"
+    digests: list[dict[str, str]]
+    problems: list[str]
+    comm: CommLog
+    fsdp2: str | None
+    forward_loss: float | None = None
+
+
+# --------------------------------------------------------------------------- the jobs
+
+
+def train_job(cfg: train.Config, observe: bool = True) -> Run:
+    """Train as train.py does; every shard checked (Shard(0), torch.chunk's rows) and digested after
+    wrapping and after every step. observe: under a CommLog with Probes on every block (what the
+    graded step checks); False for a profiled run, whose trace should show the program as it runs,
+    without a Python hook on every op. A profiled run also marks where collectives were waited for,
+    for the overlap checks (schedule.marked_waits). Without FSDP (--fsdp none) there are no shards
+    and nothing to free: only the numbers count."""
+    log, digests, holder = CommLog(), [], {}
+    sharded = cfg.fsdp != "none"
+
+    def inspect(model: nn.Module, step: int) -> None:
+        if step == 0:
+            holder["fsdp2"] = fsdp2_problem(model, cfg)
+            holder["probes"] = Probes(model, cfg.reshard_after_forward) if sharded and observe else None
+        elif holder["probes"] is not None:
+            holder["probes"].after_step(step)
+        if sharded:
+            assert_sharded(model, step)
+        digests.append({name: digest(p) for name, p in model.named_parameters()})
+        log.step = step + 1
+
+    try:
+        with marked_waits() if cfg.profile_steps else contextlib.nullcontext(), \
+                log if observe else contextlib.nullcontext():
+            result = train.train(cfg, inspect=inspect)
+    except BaseException as e:
+        e.add_note(f"(in step {log.step} of {cfg.num_steps}, rank {dist.get_rank()})" if log.step else
+                   "(while wrapping the model with fully_shard)")
+        raise
+    problems = holder["probes"].problems if holder.get("probes") else []
+    return Run(result, digests, problems, log, holder.get("fsdp2") or log.fsdp2)
+
+
+def forward_job(cfg: train.Config) -> Run:
+    """Set up as train.py does and run the first micro-step's forward and loss only (no backward)."""
+    model, device = train.setup(cfg)
+    assert_sharded(model, 0)
+    problem = fsdp2_problem(model, cfg)
+    probes = Probes(model, cfg.reshard_after_forward)
+    inputs, labels = next(train.build_data(cfg, dist.get_rank(), dist.get_world_size()))
+    log = CommLog()
+    log.step = 1
+    with log:
+        logits = model(inputs["input"].to(device))
+    loss = train.loss_fn(logits, labels.to(device), cfg.num_gradient_accumulation_steps)
+    when = "after the first forward"
+    for name, p in model.layers.named_parameters():
+        if not isinstance(p, DTensor):
+            probes.problems.append(f"{when}: layers.{name} is a {type(p).__name__}, not its sharded DTensor "
+                                   "(a block that reshards after forward puts its sharded parameters back)")
+            break
+    return Run(None, [], probes.problems, log, problem or log.fsdp2, forward_loss=loss.item())
+
+
+def shard_job(cfg: train.Config, step: int, name: str) -> torch.Tensor:
+    """Train again (deterministic: same bits) and return this rank's shard of `name` at `step`."""
+    kept = {}
+
+    def inspect(model: nn.Module, at: int) -> None:
+        if at == step:
+            p = dict(model.named_parameters())[name]
+            kept["shard"] = (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
+
+    train.train(dataclasses.replace(cfg, num_steps=max(step, 1), profile_steps=0), inspect=inspect)
+    return kept["shard"]
+
+
+class OddMLP(nn.Module):
+    """Rows that do not divide by 2 or 3, and a layer with fewer rows than ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(5, 7)      # 7 rows: 3/3/1 on 3 ranks, 4/3 on 2
+        self.down = nn.Linear(7, 2)    # 2 rows: 1/1/0 on 3 ranks (an empty shard)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x * self.scale)))
+
+
+def odd_shapes_job(impl: str | None, steps: int = 3) -> dict[str, list[torch.Tensor]]:
+    """Train OddMLP a few steps; return every parameter (full) and its gradient at each step."""
+    cfg = config(impl) if impl else config()
+    fsdp = train.fsdp_module(cfg)
+    device = current_device("cpu")
+    torch.manual_seed(0)
+    model = OddMLP().to(device)
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in (model.up, model.down):
+        fsdp.fully_shard(layer, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    assert_sharded(model, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    seen: dict[str, list[torch.Tensor]] = {}
+    for step in range(1, steps + 1):
+        x = torch.randn(4, 5, generator=gen).to(device)
+        model(x).pow(2).mean().backward()
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                raise AssertionError(f"odd shapes: {name} has no gradient after backward (step {step})")
+            seen.setdefault(name + ".grad", []).append(p.grad.full_tensor().cpu())
+        opt.step()
+        opt.zero_grad()
+        assert_sharded(model, step)
+        for name, p in model.named_parameters():
+            seen.setdefault(name, []).append(p.full_tensor().detach().cpu())
+    return seen
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct CPU storage that a Python-visible tensor holds (parameters, DTensors'
+    local tensors, optimizer state, anything a list or attribute keeps): exact, whatever the
+    allocator or the threads did. A leak of tensors that Python keeps shows here to the byte."""
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # isinstance would query proxies for __class__
+            continue
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if t.device.type != "cpu" or type(t) not in (torch.Tensor, nn.Parameter):
+            continue
+        s = t.untyped_storage()
+        storages[s.data_ptr(), s.nbytes()] = s.nbytes()
+    return sum(storages.values())
