@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Literal
 
 import train
-from harness import analysis, assets, impl, memory, model_setup
+from harness import analysis, assets, compat, impl, memory, model_setup
 from harness.ranks import RankPool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -559,8 +559,7 @@ def environment(data: dict) -> list[str]:
     import torch
     import torchtitan
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = compat.cpu_name()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return ["| what | value |", "| --- | --- |",
             f"| python | {platform.python_version()} |", f"| torch | {torch.__version__} |",
