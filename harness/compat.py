@@ -5,14 +5,26 @@
   `torchtitan.models` is imported, although the Llama model never calls it. Where triton
   cannot be imported, `install()` puts a stand-in for that one module in `sys.modules`: same
   names, each raising if ever called. No other torchtitan or torch code is replaced, so the
-  model's numerics are those of the real modules.
+  model's numerics are those of the real modules. torch's flop counter then logs "triton not
+  found" once per process (a CUDA build without triton: the Linux wheel under simulation); that
+  one line is filtered out, since nothing here counts flops of triton kernels.
+* **The operating system** is asked here and nowhere else: memory available (`available_memory`,
+  psutil), resident and peak resident set (`resident_bytes`, `peak_rss`, `reset_peak_rss`), the
+  CPU's name (`cpu_name`), glibc (`glibc`). Only the Linux branches touch `/proc`.
 * **Platform**: `platform()` is `sys.platform`, unless `FSDP_PLATFORM=darwin` asks to simulate
   macOS on Linux. The simulation takes every non-Linux code path here: triton is made
   unimportable (a meta-path blocker, so `import triton` fails as where it is not installed),
-  memory is measured without `/proc` and without glibc's `mallopt` (harness/memory.py), and
-  gloo is bound to the loopback interface explicitly (harness/distributed.py). What it cannot
-  simulate: the macOS kernel and libc themselves (e.g. `ru_maxrss` in bytes, which is read
-  by the real platform's rules) and Apple's Accelerate BLAS.
+  there is no `/proc` and no glibc's `mallopt` (harness/memory.py), and gloo is bound to the
+  loopback interface explicitly (harness/distributed.py). `/proc` is blocked at the file level:
+  an audit hook makes any open (`open`, `io.open`, `pathlib`, `os.open`, `os.listdir`,
+  `os.scandir`) of a path under `/proc` by this repository's code raise `NoProcfs`, so a spot
+  that forgets to ask this module fails a test instead of a student's Mac.
+  What it cannot simulate: the macOS kernel and libc themselves (e.g. `ru_maxrss` in bytes,
+  which is read by the real platform's rules), Apple's Accelerate BLAS, and installed packages'
+  own macOS code: they still see `sys.platform == "linux"` and may read `/proc` (psutil's Linux
+  backend does, for `available_memory` and `resident_bytes`); that is allowed, because on a Mac
+  the same calls take the package's macOS path (psutil asks the kernel through sysctl and mach),
+  which the package's own tests cover.
 
 `install()` runs when the `harness` package is imported, so it precedes torchtitan in
 train.py, in every rank a RankPool starts, and in the tools and tests.
@@ -20,12 +32,20 @@ train.py, in every rank a RankPool starts, and in the tools and tests.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.abc
 import importlib.util
+import logging
 import os
+import platform as py_platform
+import resource
+import shutil
 import socket
+import subprocess
 import sys
+import sysconfig
 import types
+from pathlib import Path
 
 SIMULATE = "FSDP_PLATFORM"
 KERNELS = "torchtitan.models.moe.kernels"
@@ -73,14 +93,159 @@ def _kernels_stub() -> types.ModuleType:
 
 
 def install() -> None:
-    """Idempotent: block triton under simulation; stand in for torchtitan's triton kernel module
-    where triton is absent."""
+    """Idempotent: under simulation block triton and /proc; where triton is absent stand in for
+    torchtitan's triton kernel module and silence torch's flop counter's line about it."""
+    global _proc_blocked
     if simulated() and not any(isinstance(f, _BlockTriton) for f in sys.meta_path):
         sys.meta_path.insert(0, _BlockTriton())
         for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
             del sys.modules[name]  # imported before the switch: forget it
-    if KERNELS not in sys.modules and not triton_importable():
-        sys.modules[KERNELS] = _kernels_stub()
+    if simulated() and not _proc_blocked:
+        sys.addaudithook(_block_procfs)  # for the life of the process: hooks cannot be removed
+        _proc_blocked = True
+    if not triton_importable():
+        if KERNELS not in sys.modules:
+            sys.modules[KERNELS] = _kernels_stub()
+        flops = logging.getLogger(FLOP_COUNTER)
+        if not any(isinstance(f, _NoTritonLine) for f in flops.filters):
+            flops.addFilter(_NoTritonLine())
+
+
+# torch/utils/flop_counter.py logs this once when imported in a CUDA build of torch without triton;
+# torch imports it lazily in the first training step (through torch._dynamo), once per rank.
+FLOP_COUNTER = "torch.utils.flop_counter"
+TRITON_LINE = "triton not found; flop counting will not work for triton kernels"
+
+
+class _NoTritonLine(logging.Filter):
+    """Drops exactly the flop counter's "triton not found" line: expected where triton is absent,
+    and about flop counting of triton kernels, which nothing here does."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TRITON_LINE)
+
+
+# --------------------------------------------------------------------------- /proc under simulation
+
+
+class NoProcfs(RuntimeError):
+    """Raised under FSDP_PLATFORM=darwin when this repository's code opens a path under /proc."""
+
+
+_proc_blocked = False
+_STDLIB = tuple({sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")})
+_PACKAGES = tuple({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+_PROC_EVENTS = {"open", "os.listdir", "os.scandir"}
+
+
+def _block_procfs(event: str, args: tuple) -> None:
+    """Audit hook (simulation only): an open of /proc by code of this repository raises.
+
+    The caller is the innermost frame outside the standard library (so `Path.read_text` and
+    `io.open` count as their caller's). Installed packages are let through: they still take
+    their Linux code under simulation (psutil's Linux backend reads /proc), and on a Mac their
+    macOS code, which reads none."""
+    if event not in _PROC_EVENTS or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return  # os.scandir(fd), open(fd): no path
+    path = os.path.normpath(os.path.abspath(os.fsdecode(args[0])))
+    if path != "/proc" and not path.startswith("/proc/"):
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if file.startswith(_PACKAGES):  # (a virtual environment's packages lie inside its stdlib prefix)
+            return
+        if not (file.startswith(_STDLIB) or file.startswith("<frozen ")):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return  # the standard library alone, on a thread of its own
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    raise NoProcfs(f"{where} opens {path}, but {SIMULATE}=darwin simulates macOS, which has no /proc: "
+                   "ask harness/compat.py (available_memory, resident_bytes, cpu_name, ...) instead, "
+                   f"which knows what each platform offers; unset {SIMULATE} to run as Linux")
+
+
+# --------------------------------------------------------------------------- asking the operating system
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can still give (psutil: MemAvailable on Linux; free plus
+    inactive pages on macOS, from the kernel through mach)."""
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (psutil)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+_CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
+
+
+def peak_rss_resettable() -> bool:
+    """Whether the peak resident set can be reset (Linux: /proc/self/clear_refs); elsewhere the
+    only peak there is is the one since the process started (getrusage)."""
+    return platform() == "linux" and _CLEAR_REFS.exists()
+
+
+def reset_peak_rss() -> None:
+    """Linux: reset this process's peak resident set (VmHWM); a no-op where it cannot be reset."""
+    if peak_rss_resettable():
+        _CLEAR_REFS.write_text("5")
+
+
+def peak_rss() -> int:
+    """Bytes: the peak resident set since the last reset_peak_rss (Linux), else since the process
+    started (getrusage)."""
+    if peak_rss_resettable():
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return rusage_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def rusage_bytes(maxrss: int, kernel: str = sys.platform) -> int:
+    """ru_maxrss in bytes: macOS reports bytes, Linux KiB. The real kernel decides, not the simulation."""
+    return maxrss if kernel == "darwin" else maxrss * 1024
+
+
+def glibc() -> ctypes.CDLL | None:
+    """glibc (for mallopt) on Linux; None elsewhere (macOS's libc, musl)."""
+    if platform() != "linux":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # e.g. musl
+        return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name as the platform's own tool reports it (macOS: `sysctl -n
+    machdep.cpu.brand_string`, e.g. "Apple M2"; Linux: lscpu's "Model name"), else what the
+    platform module knows (an architecture such as "arm" or "x86_64")."""
+    if platform() == "darwin":
+        name = _run(["sysctl", "-n", "machdep.cpu.brand_string"]).strip()
+    else:
+        name = next((line.split(":", 1)[1].strip() for line in _run(["lscpu"]).splitlines()
+                     if line.startswith("Model name:")), "")
+    return name or py_platform.processor() or py_platform.machine() or "unknown"
+
+
+def _run(command: list[str]) -> str:
+    """A tool's output, or "" where it is missing or fails (then the caller falls back)."""
+    if shutil.which(command[0]) is None:
+        return ""
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=10,
+                              env={**os.environ, "LC_ALL": "C"})
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
 
 
 def gloo_interface(master_addr: str) -> str | None:

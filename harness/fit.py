@@ -17,21 +17,18 @@ import os
 
 import torch
 
-from harness import memory_model, model_setup
+from harness import compat, memory_model, model_setup
 
 PROCESS_BYTES = 700 * 2**20  # a rank with torch and torchtitan imported, before any model
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "none": 4}
 
 
 def available_bytes(device: torch.device) -> int:
-    """Memory this run may still use: CUDA's free memory, else the kernel's MemAvailable."""
+    """Memory this run may still use: CUDA's free memory, else the memory available to new
+    processes (harness/compat.py: MemAvailable on Linux, free plus inactive pages on macOS)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line; run with --no-memory-check")
+    return compat.available_memory()
 
 
 def estimate(cfg, world_size: int, vocab_size: int) -> dict[str, int]:
@@ -82,7 +79,7 @@ def check(cfg, world_size: int, local_world_size: int, vocab_size: int, device: 
     lines = "\n".join(f"  {gib(b):>9}  {what}" for what, b in parts.items())
     ranks = f"{local_world_size} ranks on this machine x " if device.type == "cpu" and local_world_size > 1 else ""
     return (f"--model {cfg.model} does not fit: it needs about {ranks}{gib(sum(parts.values()))} = {gib(need)} "
-            f"and {gib(have)} is available ({'CUDA free memory' if device.type == 'cuda' else 'MemAvailable'}). "
+            f"and {gib(have)} is available ({'CUDA free memory' if device.type == 'cuda' else 'memory available'}). "
             f"Estimate per rank:\n{lines}\nFix: a smaller --model, --seq-len or --batch-size, "
             "--activation-checkpoint full, more ranks on more machines, or --no-memory-check to try anyway.")
 

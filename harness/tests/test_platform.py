@@ -4,9 +4,11 @@
   (a fork after torchtitan's import is marked as unable to use CUDA, even on a machine without
   a GPU), and device choice with mocked GPUs.
 * macOS by simulation (`FSDP_PLATFORM=darwin`, harness/compat.py): triton unimportable, no
-  /proc, no glibc, loopback chosen for gloo; a train.py run and a graded check pass under it.
-  What only a real Mac shows: its kernel and libc (ru_maxrss in bytes), Accelerate's BLAS and
-  gloo on lo0 itself.
+  /proc (opening it from this repository's code raises), no glibc, loopback chosen for gloo; a
+  train.py run (memory check on) and graded checks (parity, peak memory) pass under it.
+  What only a real Mac shows: its kernel and libc (ru_maxrss in bytes), Accelerate's BLAS, gloo
+  on lo0 itself, and installed packages' macOS code (psutil's).
+* The graded memory measure (memory.TensorPeaks), which needs no /proc, on Linux as well.
 """
 
 from __future__ import annotations
@@ -166,11 +168,14 @@ def test_without_the_stand_in_torchtitan_does_not_import():
 
 @pytest.mark.parametrize("simulate", [True, False])
 def test_platform_paths(simulate):
-    """Simulated: every non-Linux path; not simulated (Linux): the real kernel module and /proc."""
+    """Simulated: every non-Linux path; not simulated (Linux): the real kernel module and /proc.
+    Either way every question to the operating system (memory available, resident set, CPU name,
+    the report's environment table) is answered without this repository opening /proc."""
     code = """
 import sys, torch
 import train
-from harness import compat, memory
+from harness import compat, fit, memory
+from harness.tools import report
 import torchtitan.models.llama3
 stub = getattr(sys.modules[compat.KERNELS], "__harness_stub__", False)
 try:
@@ -179,21 +184,74 @@ try:
 except ImportError:
     triton_ok = False
 cpu = torch.device("cpu")
-print(compat.platform(), stub, triton_ok, memory.per_step_peaks(), memory._STATUS, memory.note(cpu) is not None,
-      memory.exact_available() is None, memory.peak(cpu) > 2**20)
+env = report.environment({"device": "cpu", "impl": "fsdp.py", "plan": {"worlds": [2]}})
+asked = fit.available_bytes(cpu) > 2**20 and memory.resident_bytes() > 2**20 and len(compat.cpu_name()) > 0
+print(compat.platform(), stub, triton_ok, memory.per_step_peaks(), memory.note(cpu) is not None,
+      memory.exact_available() is None, memory.peak(cpu) > 2**20, asked, any("| CPU |" in line for line in env))
 """
     env = DARWIN if simulate else {k: v for k, v in os.environ.items() if k != compat.SIMULATE}
     proc = python("-c", code, env=env)
     assert proc.returncode == 0, show(proc)
     got = proc.stdout.split()
     if simulate:
-        assert got == ["darwin", "True", "False", "False", "None", "True", "False", "True"], got
+        assert got == ["darwin", "True", "False", "False", "True", "False", "True", "True", "True"], got
     elif compat.triton_importable():
-        assert got == ["linux", "False", "True", "True", "/proc/self/status", "False", "True", "True"], got
+        assert got == ["linux", "False", "True", "True", "False", "True", "True", "True", "True"], got
+
+
+PROC_OPENS = """
+import os, sys
+from pathlib import Path
+import psutil
+from harness import compat
+for how, opens in [("open", lambda: open("/proc/meminfo").read()),
+                   ("pathlib", lambda: Path("/proc/self/status").read_text()),
+                   ("os.open", lambda: os.close(os.open("/proc/self/status", os.O_RDONLY))),
+                   ("os.listdir", lambda: os.listdir("/proc/self")),
+                   ("relative", lambda: (os.chdir("/proc"), open("meminfo").read()))]:
+    try:
+        opens()
+        print(how, "opened")
+    except compat.NoProcfs as e:
+        print(how, "raised:", e)
+print("psutil", psutil.virtual_memory().available > 0)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs a /proc to block")
+def test_proc_is_blocked_under_simulated_macos():
+    """A spot that forgets harness/compat.py fails here, not on a student's Mac: under simulation
+    every way of opening /proc from this repository's code raises, naming FSDP_PLATFORM and the
+    fix; an installed package's own Linux backend (psutil) still reads it. Without simulation
+    nothing is blocked."""
+    proc = python("-c", PROC_OPENS)
+    assert proc.returncode == 0, show(proc)
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["open", "pathlib", "os.open", "os.listdir", "relative", "psutil"]
+    for line in lines[:-1]:
+        assert "raised: <string>:" in line and "FSDP_PLATFORM=darwin simulates macOS, which has no /proc" in line \
+            and "ask harness/compat.py" in line, line
+    assert lines[-1] == "psutil True", show(proc)
+
+    linux = {k: v for k, v in os.environ.items() if k != compat.SIMULATE}
+    proc = python("-c", PROC_OPENS, env=linux)
+    assert proc.returncode == 0 and proc.stdout.count(" opened") == 5, show(proc)
+
+
+def test_triton_line_filter():
+    """Exactly torch's flop counter's "triton not found" line is dropped, nothing else it logs."""
+    import logging
+
+    flt = compat._NoTritonLine()
+    record = lambda msg: logging.LogRecord(compat.FLOP_COUNTER, logging.WARNING, __file__, 1, msg, None, None)
+    assert not flt.filter(record(compat.TRITON_LINE))
+    assert flt.filter(record("flop counting: some other warning"))
+    if not compat.triton_importable():
+        assert any(isinstance(f, compat._NoTritonLine) for f in logging.getLogger(compat.FLOP_COUNTER).filters)
 
 
 def test_ru_maxrss_units():
-    assert memory.rusage_bytes(3, kernel="darwin") == 3 and memory.rusage_bytes(3, kernel="linux") == 3 * 1024
+    assert compat.rusage_bytes(3, kernel="darwin") == 3 and compat.rusage_bytes(3, kernel="linux") == 3 * 1024
 
 
 def test_loopback_interface(monkeypatch):
@@ -215,12 +273,18 @@ def test_loopback_interface(monkeypatch):
 
 
 def test_train_py_under_simulated_macos(tmp_path):
-    """No triton, no /proc, no glibc: train.py trains, says once what its peak means, profiles,
-    and refuses --exact-cpu-memory clearly. At world size 1, so the analysis has no reduce-scatter."""
+    """No triton, no /proc, no glibc: train.py trains with its defaults (the memory check on: it
+    asks compat for the memory available), says once what its peak means, profiles, prints no
+    line about triton, and refuses --exact-cpu-memory clearly. At world size 1, so the analysis has
+    no reduce-scatter."""
+    import train
+
+    assert train.Config().memory_check, "the memory check is on by default: this run exercises it"
     proc = python("train.py", "--num-steps", "3", "--seq-len", "32", "--profile-steps", "1",
                   "--traces-dir", str(tmp_path / "t"), "--snapshots-dir", str(tmp_path / "s"))
     assert proc.returncode == 0, show(proc)
     assert proc.stdout.count(memory.NOTE) == 1 and proc.stdout.count("| loss ") == 3, show(proc)
+    assert "triton" not in proc.stdout + proc.stderr, show(proc)
     table = analysis.table({"fsdp2": analysis.analyze_run(tmp_path / "t", tmp_path / "s")})
     assert re.search(r"reduce-scatter hidden +no communication", table), table
 
@@ -230,10 +294,13 @@ def test_train_py_under_simulated_macos(tmp_path):
 
 
 def ranks_platform() -> tuple:
-    import harness.memory as m
-
+    try:
+        open("/proc/self/status").close()
+        proc = "opened"
+    except compat.NoProcfs:
+        proc = "blocked"
     return (compat.platform(), os.environ.get("GLOO_SOCKET_IFNAME"), "triton" in sys.modules,
-            getattr(sys.modules.get(compat.KERNELS), "__harness_stub__", False), m._STATUS is None)
+            getattr(sys.modules.get(compat.KERNELS), "__harness_stub__", False), proc)
 
 
 def skip_unfinished(impl: str) -> None:
@@ -245,12 +312,11 @@ def skip_unfinished(impl: str) -> None:
         pytest.skip(f"{path} has task 1 to do; this compares a working FSDP with FSDP2")
 
 
-def test_graded_parity_under_simulated_macos(impl):
-    """The graded parity check at world size 2 (gloo over loopback, chosen explicitly) and the
-    memory check's reasoned skip, in ranks that take every non-Linux path."""
+def test_graded_checks_under_simulated_macos(impl):
+    """The graded parity check and peak-memory check at world size 2 (gloo over loopback, chosen
+    explicitly) in ranks that take every non-Linux path: the memory check compares peaks there too."""
     skip_unfinished(impl)
     code = f"""
-import sys
 from harness.tools import checks
 from harness.tools.ranks import RankPool
 from harness.tests.test_platform import ranks_platform
@@ -258,17 +324,14 @@ with RankPool(2) as pool:
     print("ranks", pool.run(ranks_platform))
     checks.check_step(pool, {impl!r}, "bfloat16", "float32")
     print("parity ok")
-    checks.check_memory(pool, {impl!r}, "float32", "float32")  # returns: nothing to compare
-    try:
-        checks.skip_if_peaks_not_compared(pool)
-    except BaseException as e:
-        print("memory", type(e).__name__, e)
+    print("memory:", checks.check_memory(pool, {impl!r}, "float32", "float32"))
 """
     proc = python("-c", code)
     assert proc.returncode == 0 and "parity ok" in proc.stdout, show(proc)
-    assert "ranks [('darwin', 'lo', False, True, True), ('darwin', 'lo', False, True, True)]" in proc.stdout, show(proc)
-    assert "memory Skipped all else passed; peak memory per step not compared: exact per-step CPU memory " \
-        "needs Linux's /proc" in proc.stdout, show(proc)
+    assert "ranks [('darwin', 'lo', False, True, 'blocked'), ('darwin', 'lo', False, True, 'blocked')]" \
+        in proc.stdout, show(proc)
+    assert re.search(r"memory: peak [-+]\d+\.\d MiB over FSDP2 \(allowed \+\d+\.\d\)", proc.stdout), show(proc)
+    assert "triton" not in proc.stdout + proc.stderr, show(proc)
 
 
 def uv() -> list[str] | None:
@@ -297,16 +360,35 @@ def test_lock_installs_on(target, installs, tmp_path):
         assert proc.returncode != 0 and "torch" in proc.stderr, show(proc)
 
 
-def test_peaks_not_compared_only_without_exact_cpu_memory(monkeypatch):
-    from types import SimpleNamespace
+# --------------------------------------------------------------------------- the graded memory measure
 
-    from harness.tools import checks
 
-    cpu, cuda = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
-    if not compat.simulated() and memory.exact_available() is None:
-        assert checks.peaks_not_compared(cpu) is None
-        checks.skip_if_peaks_not_compared(cpu)  # does not skip
-    monkeypatch.setattr(memory, "exact_available", lambda: "no /proc")
-    assert checks.peaks_not_compared(cpu) == "no /proc" and checks.peaks_not_compared(cuda) is None
-    with pytest.raises(pytest.skip.Exception, match="peak memory per step not compared: no /proc"):
-        checks.skip_if_peaks_not_compared(cpu)
+def _drop(tensors: list) -> None:
+    tensors.clear()
+
+
+def test_tensor_peaks_count_every_thread():
+    """memory.TensorPeaks, which needs no /proc and so runs on Linux too: exact peaks and end
+    levels per interval, and a free on another thread (gloo frees buffers on its worker threads)
+    counted, which the profiler alone misses."""
+    import threading
+
+    MiB = 2**20
+    with memory.TensorPeaks() as tp:
+        tp.mark()  # 0
+        x = torch.empty(4 * MiB, dtype=torch.uint8)
+        y = torch.empty(2 * MiB, dtype=torch.uint8)
+        del y
+        tp.mark()  # 1: peak +6 MiB, holds +4 MiB
+        held = [x]
+        del x
+        worker = threading.Thread(target=_drop, args=(held,))
+        worker.start()
+        worker.join()
+        after = torch.empty(64, dtype=torch.uint8)  # the next event carries the other thread's free
+        tp.mark()  # 2: holds +64 B
+    del after
+    (_, peak1, peak2), (base, level1, level2) = tp.peaks, tp.levels
+    assert (peak1 - base, level1 - base) == (6 * MiB, 4 * MiB), (tp.peaks, tp.levels)
+    assert level2 - base == 64 and peak2 == level1, (tp.peaks, tp.levels)
+    assert not memory.allocator_flag().value, "the allocator's flag is put back"

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
-from harness import model_setup
+from harness import assets, memory, model_setup
 from harness.distributed import agree, current_device
 from harness.tools import handwritten
 from harness.tools.policy import config
@@ -299,3 +299,49 @@ def live_tensor_bytes() -> int:
         s = t.untyped_storage()
         storages[s.data_ptr(), s.nbytes()] = s.nbytes()
     return sum(storages.values())
+
+
+@dataclasses.dataclass
+class Memory:
+    """One rank's memory in one run (bytes; per step from step 1): peaks, the bytes held at the end
+    of each step, and the bytes of Python-visible tensors then; and the model's block sizes."""
+
+    peaks: list[int]
+    held: list[int]
+    live: list[int]
+    block_reduce: int
+    """one block's parameters in the reduce dtype: its reduce-scatter input"""
+    block_largest: int
+    """one block's parameters in the larger of the parameter and reduce dtypes: the largest
+    buffer of one collective"""
+
+
+def memory_job(cfg: train.Config) -> Memory:
+    """This rank's memory per step: on CPU what memory.TensorPeaks counts (the same on every
+    platform), on CUDA the caching allocator's peak and current allocated bytes."""
+    from torchtitan.models.llama3.model.model import TransformerBlock
+
+    with torch.device("meta"):
+        block = TransformerBlock(0, model_setup.model_args(cfg.model, cfg.seq_len, assets.vocab_size()))
+    params = sum(p.numel() for p in block.parameters())
+    reduce = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
+    compute = train.DTYPES[cfg.param_dtype] or torch.float32
+    live, held = [], []
+    device = current_device(cfg.device)
+    if device.type == "cuda":
+        def inspect(model: nn.Module, step: int) -> None:
+            if step:
+                live.append(live_tensor_bytes())
+                held.append(torch.cuda.memory_allocated(device))
+
+        peaks = train.train(cfg, inspect=inspect).peak_memory
+    else:
+        with memory.TensorPeaks() as tp:
+            def inspect(model: nn.Module, step: int) -> None:
+                tp.mark()  # step 0: the model is built and wrapped
+                if step:
+                    live.append(live_tensor_bytes())
+
+            train.train(cfg, inspect=inspect)
+        peaks, held = tp.peaks[1:], tp.levels[1:]
+    return Memory(peaks, held, live, params * reduce.itemsize, params * max(reduce.itemsize, compute.itemsize))

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 import train
-from harness import assets, impl, memory_model
+from harness import assets, compat, impl, memory_model
 from harness.tools.analysis import analyze_run
 from harness.cli import parse
 from harness.tools.collectives import measured_volume
@@ -88,8 +88,7 @@ def environment() -> Environment:
     import torch
     import torchtitan
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = compat.cpu_name()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return Environment(platform.python_version(), torch.__version__, getattr(torchtitan, "__version__", "?"),
                        platform.platform(), cpu, os.cpu_count(), gpus)
