@@ -1,4 +1,5 @@
-"""The repository's shape: the student's top level, train.py's size, and no import cycles."""
+"""The repository's shape: the student's top level, train.py's size, no import cycles, and two floors:
+the runtime (harness/) never imports the tools above it (harness/tools/), and the README says which is which."""
 
 from __future__ import annotations
 
@@ -89,3 +90,63 @@ def test_top_level_is_the_students():
 def test_train_py_reads_in_one_sitting():
     lines = len((ROOT / "train.py").read_text().splitlines())
     assert lines <= 300, f"train.py has {lines} lines; move set-up code into harness/"
+
+
+# --------------------------------------------------------------------------- two floors
+
+RUNTIME, TOOLS = "harness", "harness.tools"  # what train.py stands on; the grading and measuring tools above it
+
+
+def floors() -> tuple[dict[str, set[str]], set[str], set[str]]:
+    modules = project_modules()
+    graph = {name: imports(path, name, modules) for name, path in modules.items()}
+    runtime = {n for n in modules if n.startswith(RUNTIME + ".") and n.count(".") == 1} - {TOOLS, "harness.tests"}
+    tools = {n for n in modules if n.startswith(TOOLS + ".")}
+    return graph, runtime, tools
+
+
+def upward_edges(graph: dict[str, set[str]], below: set[str]) -> list[str]:
+    """Imports from a module below (the runtime, train.py) up into the tools, the tests or conftest."""
+    above = lambda m: m.startswith((TOOLS, "harness.tests", "solution")) or m in ("conftest", "test")
+    return sorted(f"{m} -> {t}" for m in below for t in graph.get(m, ()) if above(t))
+
+
+def test_no_upward_edge():
+    graph, runtime, tools = floors()
+    assert runtime and tools, "the floors were not found"
+    assert not (edges := upward_edges(graph, runtime | {"train", "fsdp", "solution.fsdp"})), \
+        "the runtime imports what stands above it: " + ", ".join(edges)
+    harness = {m for m in graph if m.startswith("harness")}
+    assert not (edges := [f"{m} -> {t}" for m in harness for t in graph[m] if t in ("conftest", "test")]), \
+        "the harness reaches up into pytest's files: " + ", ".join(edges)
+
+
+def test_upward_edge_is_found():
+    graph = {"harness.fit": {"harness.tools.checks"}, "train": {"harness.fit"}}
+    assert upward_edges(graph, {"harness.fit", "train"}) == ["harness.fit -> harness.tools.checks"]
+
+
+def test_runtime_is_what_train_py_stands_on():
+    """Every runtime module is reached from train.py; anything else belongs to the tools."""
+    graph, runtime, _ = floors()
+    reached, todo = set(), ["train"]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in reached:
+                reached.add(m)
+                todo.append(m)
+    assert not (extra := sorted(runtime - reached - {RUNTIME})), f"train.py does not use {extra}: move them to harness/tools/"
+
+
+def test_readme_table_is_the_layout():
+    """The README's repository table names every module of each floor, and nothing else."""
+    import re
+
+    _, runtime, tools = floors()
+    readme = (ROOT / "README.md").read_text()
+    for folder, modules in (("harness/", runtime), ("harness/tools/", tools)):
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{folder}` |")), None)
+        assert row, f"README has no row for {folder}"
+        named = set(re.findall(r"`([a-z_]+)`", row.split("|")[2]))
+        actual = {m.rsplit(".", 1)[1] for m in modules}
+        assert named == actual, f"README's {folder} row: missing {sorted(actual - named)}, extra {sorted(named - actual)}"
