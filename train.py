@@ -92,6 +92,9 @@ class Config:
     """rank 0 prints one line per step."""
     activation_checkpoint: Literal["none", "full"] = "none"
     """full: every block recomputes its activations in backward (torchtitan's full AC): less memory, more compute."""
+    compile: bool = False
+    """torch.compile (inductor) each transformer block before wrapping, as torchtitan does; the first step
+    compiles (minutes on CPU) and the FSDP's hooks must stay out of the graphs (torch.compiler.disable)."""
     meta_init: bool = True
     """build on the meta device and materialise only each rank's shards after wrapping (False: build the full model first)."""
     memory_check: bool = True
@@ -127,6 +130,8 @@ def apply_fsdp(model: nn.Module, fsdp: ModuleType, mesh: DeviceMesh, cfg: Config
     """One wrapping for every implementation: each transformer block, then the root."""
     mp_policy = fsdp.MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
     model_setup.apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    if cfg.compile:
+        model_setup.compile_blocks(model, impl.compile_backend(cfg.fsdp, cfg.impl))
     for block in model.layers.values():
         fsdp.fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=cfg.reshard_after_forward)
     # The root (embeddings, final norm, output) keeps its default: not resharded after
@@ -204,6 +209,8 @@ def train(cfg: Config, inspect: Callable[[nn.Module, int], None] | None = None) 
     mesh = init_device_mesh(device.type, (world_size,))
     if cfg.fsdp == "none":
         model_setup.apply_activation_checkpointing(model, cfg.activation_checkpoint)
+        if cfg.compile:
+            model_setup.compile_blocks(model, "inductor")
     else:
         model = impl.explain_errors(apply_fsdp, model, fsdp_module(cfg), mesh, cfg)
         if not cfg.prefetch:
