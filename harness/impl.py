@@ -82,13 +82,56 @@ class FeatureError(RuntimeError):
     """The hand-written FSDP crashed in a way that means it lacks a training feature."""
 
 
+COMPILE_FIX = ("--compile: torch.compile traced the hand-written FSDP's code into a compiled graph ({where}). A "
+               "block compiled in place runs its forward hooks inside the compiled call, but FSDP's collectives, "
+               "storage resizes and state changes must run for real on every call: keep the hooks out of the "
+               "graph by decorating pre_forward, post_forward, pre_backward, post_backward and final_callback "
+               "with @torch.compiler.disable (as FSDP2 and the current fsdp.py do), or drop --compile")
+
+
+def compile_backend(fsdp: str, impl: str):
+    """train.py --compile's torch.compile backend: inductor; for the hand-written FSDP, inductor
+    behind a check that no graph holds code of its file (its hooks must stay out of the graphs)."""
+    if fsdp != "effdl":
+        return "inductor"
+    path = str(impl_path(impl))
+
+    def inductor_without_fsdp_code(gm, example_inputs):
+        for node in gm.graph.nodes:
+            # A node's stack trace: the lines `File "...", line N, in fn` of the frames it came from.
+            frames = re.findall(rf'File "{re.escape(path)}", line (\d+), in (\w+)', node.meta.get("stack_trace") or "")
+            if frames:
+                line, fn = frames[0]
+                raise FeatureError(COMPILE_FIX.format(where=f"{fn}, line {line}"))
+        import torch._dynamo
+
+        return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+
+    return inductor_without_fsdp_code
+
+
+def _handwritten_files() -> list[str]:
+    return [m.__file__ for name, m in list(sys.modules.items()) if name.startswith("effdl_fsdp_")]
+
+
 def explain_errors(fn, *args):
     """Run `fn(*args)`; a crash that means the FSDP under test lacks a feature train.py uses
-    (activation checkpointing, meta-device init) is re-raised saying what is missing and why."""
+    (activation checkpointing, meta-device init, torch.compile) is re-raised saying what is
+    missing and why."""
     try:
         return fn(*args)
     except RuntimeError as e:
         msg = str(e)
+        if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            # A backend's own error comes wrapped (BackendCompilerFailed); one the check above raised
+            # is already the explanation.
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, FeatureError):
+                raise inner from None
+            traced = [f for f in _handwritten_files() if f in msg]
+            if traced:
+                raise FeatureError(COMPILE_FIX.format(where=f"compiling it failed: {msg.splitlines()[0]}")
+) from e
         if "setStorage" in msg or "out of bounds for storage" in msg:
             raise FeatureError(
                 "the FSDP freed parameters that backward still uses. With activation checkpointing "

@@ -75,6 +75,20 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
+def compile_blocks(model: nn.Module, backend) -> None:
+    """train.py --compile: torchtitan's per-block torch.compile, after activation checkpointing and
+    before fully_shard. The blocks share one compiled graph. Compiled in place (Module.compile) where
+    torchtitan registers a torch.compile wrapper, so parameter names stay the model's (checkpoints,
+    comparisons); in place, the hooks fully_shard registers run inside the compiled call, and the FSDP
+    must keep them out of the graph (FSDP2 and the reference disable dynamo in them)."""
+    # Each run compiles afresh, the same way whatever ran before in this process: dynamo forgets
+    # earlier runs' graphs (their shapes could make it compile these dynamic; they count against
+    # its recompile limit, past which it silently runs eager).
+    torch.compiler.reset()
+    for block in model.layers.values():
+        block.compile(backend=backend)
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """FSDP2's meta-device recipe, after fully_shard: allocate only this rank's shards
     (`to_empty`), then run the model's own initialisation on them with the run's seed."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+
 from harness import impl
 from harness.errors import ConfigError
 
@@ -41,5 +45,9 @@ def validate(cfg) -> None:
         raise ConfigError(f"--checkpoint-every must be >= 0 (0: save after the last step only), got {cfg.checkpoint_every}")
     if (cfg.resume or cfg.checkpoint_every) and cfg.checkpoint_dir is None:
         raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir DIR (where checkpoints are)")
+    # Inductor's own choice of compiler: $CXX, else clang++ on macOS and g++ elsewhere.
+    if cfg.compile and not shutil.which(cxx := os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")):
+        raise ConfigError(f"--compile: inductor builds the compiled blocks with a C++ compiler and {cxx} is not on "
+                          "PATH; install one (e.g. apt-get install g++, or point CXX at it) or drop --compile")
     if cfg.model == "debug" and cfg.seq_len > 2048:
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the data supports well; use <= 2048")

@@ -493,7 +493,15 @@ class RootContext:
 
 
 class FSDPState:
-    """The hooks of one fully_shard call. The root's state also owns the RootContext."""
+    """The hooks of one fully_shard call. The root's state also owns the RootContext.
+
+    Every hook is `torch.compiler.disable`d, as FSDP2's are: a module compiled in place
+    (`block.compile()`, train.py --compile) runs its forward hooks inside the compiled call, and
+    dynamo would trace their collectives, storage resizes and state changes into the graph instead
+    of running them for real on every call. Disabled, each runs eagerly between the graphs. The
+    backward hooks run from autograd, outside compiled code; disabled alike, no tracer of backward
+    (compiled autograd) takes them in either.
+    """
 
     def __init__(self, module: nn.Module, group: FSDPGroup | None, mp_policy: MixedPrecisionPolicy,
                  reshard_after_forward: bool | None):
@@ -527,6 +535,7 @@ class FSDPState:
 
     # ---- forward ----------------------------------------------------------------------
 
+    @torch.compiler.disable
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes this forward inside its own backward: the
@@ -564,6 +573,7 @@ class FSDPState:
             args, kwargs = _PostBackward.wrap(self, args, kwargs)
         return args, kwargs
 
+    @torch.compiler.disable
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output  # a recompute in backward (see pre_forward): its backward needs them
@@ -593,6 +603,7 @@ class FSDPState:
 
     # ---- backward ---------------------------------------------------------------------
 
+    @torch.compiler.disable
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Runs when the gradient w.r.t. this module's output is ready, before its backward."""
         if self.training_state is TrainingState.PRE_BACKWARD:
@@ -626,6 +637,7 @@ class FSDPState:
             # endregion
         return grad
 
+    @torch.compiler.disable
     def post_backward(self) -> None:
         """This group's backward is done: reshard and reduce-scatter its gradients."""
         self.training_state = TrainingState.POST_BACKWARD
@@ -662,6 +674,7 @@ class FSDPState:
             # else: pending.finish()
             # endregion
 
+    @torch.compiler.disable
     def final_callback(self) -> None:
         """End of backward: post-backward for groups autograd never reached, wait for the rest."""
         ctx = self.ctx

@@ -193,6 +193,13 @@ def test_validate_rejects_with_flag_and_fix(overrides, fragments):
     assert_mentions(config_error(train.validate, cfg), *fragments)
 
 
+def test_compile_needs_a_cxx_compiler(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    assert_mentions(config_error(train.validate, small(compile=True)),
+                    "--compile", "C++ compiler", "no-such-c++", "install one", "drop --compile")
+    train.validate(small())  # without --compile no compiler is needed
+
+
 def test_impl_path(tmp_path, monkeypatch):
     assert impl.impl_path("student") == ROOT / "fsdp.py"
     assert impl.impl_path("fsdp.py") == ROOT / "fsdp.py"  # relative to the repository from anywhere

@@ -7,6 +7,9 @@ from pathlib import Path
 from solution import make_skeleton
 
 # name: [(snippet in solution/fsdp.py, its replacement), ...]; every snippet must occur there once
+# The FSDPState hooks the reference keeps out of compiled graphs (torch.compiler.disable).
+COMPILED_HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "final_callback")
+
 MUTANTS: dict[str, list[tuple[str, str]]] = {
     # Task 1's backward missing: the reduce-scatter is still a TODO (the forward works).
     "forward-only": [(
@@ -79,6 +82,9 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     "no-to-empty": [("    def _apply(self, fn: Callable", "    def _apply_unused(self, fn: Callable")],
     # Tied weights: the second place holding the parameter is not re-pointed at the shard.
     "no-tie-aliases": [("        self.aliases = aliases\n", "        self.aliases = []\n")],
+    # No hook kept out of compiled graphs: under --compile dynamo traces the collectives and storage
+    # resizes into the blocks' graphs (train.py stops with one line naming the fix).
+    "no-compile-disable": [(f"    @torch.compiler.disable\n    def {hook}(", f"    def {hook}(") for hook in COMPILED_HOOKS],
     # A zero-filled reduce-scatter slot for every parameter of the group, gradient or not: frozen and
     # unused parameters move the others, and gloo adds the ranks' values in another order there.
     "zero-fill-every-slot": [
