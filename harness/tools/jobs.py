@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
-from harness import assets, memory, model_setup
+from harness import assets, memory, memory_model, model_setup
 from harness.distributed import agree, current_device
 from harness.tools import handwritten
 from harness.tools.policy import config
@@ -319,13 +319,15 @@ class Memory:
 def memory_job(cfg: train.Config) -> Memory:
     """This rank's memory per step: on CPU what memory.TensorPeaks counts (the same on every
     platform), on CUDA the caching allocator's peak and current allocated bytes."""
-    from torchtitan.models.llama3.model.model import TransformerBlock
-
-    with torch.device("meta"):
-        block = TransformerBlock(0, model_setup.model_args(cfg.model, cfg.seq_len, assets.vocab_size()))
-    params = sum(p.numel() for p in block.parameters())
+    # The margins' sizes, from the analytic model the report and the fit estimate share: one block's
+    # padded flat buffer, in the reduce dtype (its reduce-scatter input) and in the larger dtype.
+    groups = memory_model.model_groups(cfg.model, cfg.seq_len, assets.vocab_size(),
+                                       dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
+    world = dist.get_world_size()
+    block = memory_model.largest_block(groups, world)
     reduce = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
     compute = train.DTYPES[cfg.param_dtype] or torch.float32
+    larger = max(reduce, compute, key=lambda d: d.itemsize)
     live, held = [], []
     device = current_device(cfg.device)
     if device.type == "cuda":
@@ -344,4 +346,5 @@ def memory_job(cfg: train.Config) -> Memory:
 
             train.train(cfg, inspect=inspect)
         peaks, held = tp.peaks[1:], tp.levels[1:]
-    return Memory(peaks, held, live, params * reduce.itemsize, params * max(reduce.itemsize, compute.itemsize))
+    return Memory(peaks, held, live, memory_model.reduce_scatter_input_bytes(block, world, reduce),
+                  memory_model.group_bytes(block, world, larger.itemsize))
