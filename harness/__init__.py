@@ -1,4 +1,5 @@
-"""What students run but never edit: data, rank pools, checks, profiling, analysis, benchmark.
+"""What students run but never edit. This package is the runtime train.py stands on (data, model,
+process groups, platform, memory, profiling); harness/tools/ holds the grading and measuring tools above it.
 
 Tools run as modules from the repository root, e.g. `uv run python -m harness.tools.benchmark`.
 Importing the package imports nothing else except `compat`, whose `install()` must run before

@@ -2,7 +2,7 @@
 
 One model for every user: the fit estimate before a run (harness/fit.py), the writeup report's
 analytic columns and checks (harness/tools/report.py), and the margin of the graded memory check
-(`reduce_scatter_input_bytes`, for harness/tools/checks.py).
+(`reduce_scatter_input_bytes`, read by the memory job in harness/tools/jobs.py).
 
 FSDP groups the parameters as train.apply_fsdp wraps them: each block (`layers.i`) and the root
 (everything else). Every parameter is split by rows as torch.chunk splits them (Shard(0),

@@ -39,6 +39,8 @@ OUTSIDE = {
     "logging_config": ("import logging.config\n", 1, "remove the import"),
     "dict_walk": ("import torch\nm = torch.distributed.__dict__\n", 2, "pass what you need as arguments"),
     "eval": ("x = eval('1')\n", 1, "write the code out"),
+    "shared_memory": ("import torch\nt = torch.empty(4)\nt.share_memory_()\n", 3, "ordinary allocator"),
+    "file_backed": ("import torch\ns = torch.UntypedStorage.from_file('f', True, 8)\n", 2, "ordinary allocator"),
 }
 
 

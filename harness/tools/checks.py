@@ -4,7 +4,7 @@ Each `check_*` runs FSDP2 and a hand-written FSDP (`impl`: student or a .py path
 spawned process group (the rank jobs: jobs.py), compares what they did (compare.py) by the
 course's rules (policy.py), and raises AssertionError saying exactly what differs. Every check
 has been run against deliberately broken variants of a correct FSDP and fails there
-(solution/tests/test_*mutants.py).
+(the instructors' mutant tests).
 """
 
 from __future__ import annotations

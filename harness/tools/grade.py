@@ -26,7 +26,7 @@ from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
 from harness.tools.points import LINES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/grade.py
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,7 @@ from typing import Literal
 
 import tyro
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/handin.py
 
 from harness.cli import parse  # noqa: E402
 from harness.errors import BAD_INPUT, ConfigError, stop  # noqa: E402

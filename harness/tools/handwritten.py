@@ -61,6 +61,11 @@ ADVICE = {
     **dict.fromkeys(("globals", "locals", "vars", "f_globals", "f_locals", "f_back", "tb_frame", "gi_frame",
                      "cr_frame", "_getframe", "currentframe", "gc", "ctypes", "inspect"), _ARGS),
     **dict.fromkeys(("open", "subprocess"), "the FSDP computes its results; it reads no files and runs no programs"),
+    # Storage outside torch's CPU allocator, which the graded memory check counts (harness/memory.py).
+    **dict.fromkeys(("share_memory_", "from_file", "_share_filename_", "_share_fd_", "_new_shared",
+                     "_new_shared_filename", "_new_shared_fd"),
+                    "allocate with torch's ordinary allocator (torch.empty, new_zeros...): the graded memory "
+                    "check counts its tensors, and shared or file-backed storage would hide from it"),
 }
 FORBIDDEN_NAMES = set(ADVICE)
 ALLOWED_DUNDERS = {"__init__", "__class__", "__name__", "__qualname__", "__module__", "__enter__", "__exit__",

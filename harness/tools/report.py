@@ -10,9 +10,10 @@ has a GPU (--device auto). Every run is on fresh ranks forked from one preloaded
 are compared alternate (A B, B A, ...) so a drifting machine load hits both alike, and
 comparisons are quoted as ratios of medians.
 
-Memory is what the tests trust: on CPU the peak resident set with --exact-cpu-memory (every free
-of 64 KiB or more goes back to the OS, on whichever thread frees it) above the rank's resident
-set before the model was built; on CUDA the peak allocated. The CPU memory snapshot
+Memory here is the whole process's: on CPU the peak resident set with --exact-cpu-memory (every
+free of 64 KiB or more goes back to the OS, on whichever thread frees it) above the rank's resident
+set before the model was built; on CUDA the peak allocated. (The graded memory check compares
+tensor memory instead, the same on every platform: harness/memory.py TensorPeaks.) The CPU memory snapshot
 (snapshots/<run>/rank{r}.pickle) is not used: it shows allocations only (gloo frees buffers on
 its own threads, which the profiler does not see), so its peak is not the process's. The parts of
 memory (shards, grads, optimizer state, gathered params, saved activations) are measured in the
@@ -52,7 +53,7 @@ from harness.tools.report_results import (
 from harness.tools.report_render import render
 from harness.trace import KINDS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/report.py
 MiB = 2**20
 
 

@@ -219,7 +219,7 @@ def timeline_section(out: Path, report: Report, cmd: str) -> list[str]:
     _save(fig, out / "memory_timeline.png")
     return ["## Memory timeline (rank 0, W=2)", "",
             "Sampled every millisecond during 3 steps of the hand-written FSDP: on CPU the resident set with "
-            "`--exact-cpu-memory` (what test_task3_memory and the bonus tests compare), on CUDA the allocated bytes; forward, backward and "
+            "`--exact-cpu-memory` (the whole process; the graded tests compare tensor memory), on CUDA the allocated bytes; forward, backward and "
             "optimizer phases shaded. Per-step peaks (MiB): " + ", ".join(mib(p) for p in tl.peaks) + ". "
             "The CPU memory snapshot in snapshots/ shows allocations only (gloo's frees are not recorded), so "
             "its peak is not this one.", "",

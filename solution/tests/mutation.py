@@ -130,7 +130,7 @@ CHEATS: dict[str, str] = {
     # FSDP2 under its older composable path.
     "composable": "from torch.distributed._composable.fsdp import fully_shard\n",
     # The graded checks patched to pass.
-    "patch-checks": "import harness.tools.checks\nharness.checks.check_step = lambda *a, **k: 'ok'\n",
+    "patch-checks": "import harness.tools.checks\nharness.tools.checks.check_step = lambda *a, **k: 'ok'\n",
     # Another module's globals walked to reach what it imported.
     "globals-walk": "import torch\ng = torch.nn.Module.__init__.__globals__\n",
     # The caller's frame (the checks) reached through a traceback.

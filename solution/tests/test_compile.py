@@ -8,6 +8,8 @@ Inductor compiles on the ranks' CPU: a block's graphs take a minute or two the f
 2-core machine; later runs reuse inductor's on-disk cache.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,12 +29,19 @@ def compiled_job(cfg):
     return result, torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
 
 
-def test_reference_with_compile_matches_fsdp2(pool2):
-    # One configuration, each compile being slow: bf16 compute, where inductor's fused kernels give
-    # other bits than eager, so equal numbers mean both ran the same compiled code around their hooks.
-    cfg = policy.config(REFERENCE, compile=True, num_steps=3, param_dtype="bfloat16", reduce_dtype="float32")
+# One configuration, each compile being slow: bf16 compute, where inductor's fused kernels give other
+# bits than eager, so equal numbers mean both ran the same compiled code around their hooks.
+CFG = policy.config(REFERENCE, compile=True, num_steps=3, param_dtype="bfloat16", reduce_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_compiled(pool2):
+    return checks.run(pool2, compiled_job, policy.as_fsdp2(CFG))
+
+
+def test_reference_with_compile_matches_fsdp2(pool2, fsdp2_compiled):
+    cfg, ref = CFG, fsdp2_compiled
     what = "--compile, " + policy.describe(cfg, pool2.world_size)
-    ref = checks.run(pool2, compiled_job, policy.as_fsdp2(cfg))
     got = checks.run(pool2, compiled_job, cfg)
     for name, runs in (("FSDP2", ref), ("the reference", got)):
         assert all(graphs for _, graphs in runs), f"{name}'s run compiled no graph: --compile did nothing"
@@ -49,3 +58,13 @@ def test_file_without_compile_support_stops_with_one_line(pool2, tmp_path):
     assert last.startswith("harness.impl.FeatureError: "), str(failure.value)[-3000:]
     for fragment in ("--compile", "hand-written FSDP", "@torch.compiler.disable", *COMPILED_HOOKS):
         assert fragment in last, f"the error does not name {fragment!r}: {last}"
+
+
+def test_no_fsdp_compiled_starts_where_fsdp2_compiled_does(pool2, fsdp2_compiled):
+    """--fsdp none --compile (DDP over compiled blocks): the same model and data, so the first loss
+    is FSDP2's compiled first loss (later steps differ: DDP reduces gradients in its own buckets)."""
+    cfg = dataclasses.replace(CFG, fsdp="none", num_steps=1)
+    none = checks.run(pool2, compiled_job, cfg)
+    assert all(graphs for _, graphs in none), "--fsdp none --compile compiled no graph"
+    assert none[0][0].result.losses[0] == fsdp2_compiled[0][0].result.losses[0], (
+        none[0][0].result.losses, fsdp2_compiled[0][0].result.losses)
