@@ -34,14 +34,10 @@ def compiled_job(cfg):
 CFG = policy.config(REFERENCE, compile=True, num_steps=3, param_dtype="bfloat16", reduce_dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def fsdp2_compiled(pool2):
-    return checks.run(pool2, compiled_job, policy.as_fsdp2(CFG))
-
-
-def test_reference_with_compile_matches_fsdp2(pool2, fsdp2_compiled):
-    cfg, ref = CFG, fsdp2_compiled
+def test_reference_with_compile_matches_fsdp2(pool2):
+    cfg = CFG
     what = "--compile, " + policy.describe(cfg, pool2.world_size)
+    ref = checks.run(pool2, compiled_job, policy.as_fsdp2(cfg))
     got = checks.run(pool2, compiled_job, cfg)
     for name, runs in (("FSDP2", ref), ("the reference", got)):
         assert all(graphs for _, graphs in runs), f"{name}'s run compiled no graph: --compile did nothing"
@@ -54,17 +50,21 @@ def test_file_without_compile_support_stops_with_one_line(pool2, tmp_path):
     cfg = policy.config(mutant, compile=True, num_steps=1, num_gradient_accumulation_steps=1)
     with pytest.raises(RankError) as failure:
         checks.run(pool2, jobs.train_job, cfg, False)
-    last = str(failure.value).strip().splitlines()[-1]
-    assert last.startswith("harness.impl.FeatureError: "), str(failure.value)[-3000:]
+    # the rank's traceback ends with the error line, then where it happened (a note)
+    lines = str(failure.value).strip().splitlines()
+    last = next((line for line in reversed(lines) if line.startswith("harness.impl.FeatureError: ")), None)
+    assert last is not None, str(failure.value)[-3000:]
     for fragment in ("--compile", "hand-written FSDP", "@torch.compiler.disable", *COMPILED_HOOKS):
         assert fragment in last, f"the error does not name {fragment!r}: {last}"
 
 
-def test_no_fsdp_compiled_starts_where_fsdp2_compiled_does(pool2, fsdp2_compiled):
-    """--fsdp none --compile (DDP over compiled blocks): the same model and data, so the first loss
-    is FSDP2's compiled first loss (later steps differ: DDP reduces gradients in its own buckets)."""
-    cfg = dataclasses.replace(CFG, fsdp="none", num_steps=1)
-    none = checks.run(pool2, compiled_job, cfg)
-    assert all(graphs for _, graphs in none), "--fsdp none --compile compiled no graph"
-    assert none[0][0].result.losses[0] == fsdp2_compiled[0][0].result.losses[0], (
-        none[0][0].result.losses, fsdp2_compiled[0][0].result.losses)
+def test_no_fsdp_compiled_trains(pool2):
+    """--fsdp none --compile (DDP over compiled blocks, float32: no FSDP, no mixed precision) compiles
+    and trains the same model: its first loss is the eager run's, to rounding (compiled kernels may
+    round differently, so not bit for bit)."""
+    cfg = policy.config(None, fsdp="none", compile=True, num_steps=1)
+    compiled = checks.run(pool2, compiled_job, cfg)
+    eager = checks.run(pool2, compiled_job, dataclasses.replace(cfg, compile=False))
+    assert all(graphs for _, graphs in compiled), "--fsdp none --compile compiled no graph"
+    a, b = compiled[0][0].result.losses[0], eager[0][0].result.losses[0]
+    assert abs(a - b) <= 1e-5 * abs(b), f"compiled first loss {a!r}, eager {b!r}"
