@@ -63,7 +63,7 @@ REDUCE_SCATTER_DONE_RANGE = "reduce_scatter_done"  # it had already finished: no
 
 
 class TodoError(NotImplementedError):
-    """Raised by the skeleton's unwritten pieces, `TodoError("TODO(task1): ...")`; features this FSDP
+    """Raised by the skeleton's unwritten pieces (its message starts with the TODO's tag); features this FSDP
     does not support raise plain NotImplementedError. The harness tells the two apart by this type."""
 
 

@@ -70,6 +70,16 @@ def fsdp2() -> ModuleType:
     return importlib.import_module("torch.distributed.fsdp")
 
 
+# A piece of task 1 still unwritten: the skeleton's `raise TodoError("TODO(task1): ...")` statement
+# (not the words in a comment or docstring).
+_TASK1_UNDONE = re.compile(r"^[ \t]*raise TodoError\([\"']TODO\(task1\)", re.M)
+
+
+def task1_undone(path: Path) -> bool:
+    """Whether the file still raises task 1's TodoError somewhere: it cannot train yet."""
+    return bool(_TASK1_UNDONE.search(path.read_text()))
+
+
 def todo_reached(error: BaseException) -> str | None:
     """The `TODO(...)` a rank stopped at, from the traceback text a RankError carries; None if the
     error is anything else (a real bug, which deserves its traceback)."""

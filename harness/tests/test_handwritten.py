@@ -71,3 +71,15 @@ def test_refusal_names_the_line_and_the_fix(tmp_path, name):
                                     "from torch.distributed.fsdp import OffloadPolicy\n"])
 def test_fsdp2_is_called_fsdp2(tmp_path, source):
     assert handwritten.verdict(check(tmp_path, source)).startswith(handwritten.FSDP2_USED)
+
+
+def test_task1_undone_reads_the_raise_not_the_words(tmp_path):
+    """Tests that need a training FSDP skip a file that still raises task 1's TodoError, and only
+    that: the words in a docstring or comment (the reference's TodoError docstring) do not count."""
+    from harness.impl import task1_undone
+
+    f = tmp_path / "fsdp.py"
+    f.write_text('class TodoError(NotImplementedError):\n    """e.g. raise TodoError("TODO(task1): x")"""\n')
+    assert not task1_undone(f)
+    f.write_text('def shard():\n    raise TodoError("TODO(task1): shard this parameter")\n')
+    assert task1_undone(f)

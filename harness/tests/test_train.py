@@ -421,7 +421,7 @@ def test_torchrun_fsdp2_writes_traces_and_snapshots(tmp_path):
 # --------------------------------------------------------------------------- the skeleton stops with its TODO
 
 
-SKELETON_UNDONE = "TodoError(\"TODO(task1)" in (ROOT / "fsdp.py").read_text()
+SKELETON_UNDONE = impl.task1_undone(ROOT / "fsdp.py")
 needs_skeleton = pytest.mark.skipif(not SKELETON_UNDONE, reason="fsdp.py has task 1 done")
 
 
