@@ -31,8 +31,7 @@ from harness import impl, memory
 from harness.tools import analysis
 from harness.cli import parse
 from harness.distributed import pool_device
-from harness.errors import BAD_INPUT, FAILED, ConfigError, stop
-from harness.tools.ranks import RankError, RankPool
+from harness.tools.ranks import RankPool, run_tool
 
 TARGETS = {"cpu": 0.95, "cuda": 1.02}
 
@@ -132,15 +131,7 @@ def main(args: Args) -> int:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    args = parse(Args, argv, prog="python -m harness.tools.benchmark")
-    try:
-        main(args)
-    except ConfigError as e:  # --impl or --device as given cannot run; the message says how to fix it
-        stop(str(e), BAD_INPUT)
-    except RankError as e:
-        if not (todo := impl.todo_reached(e)):
-            raise
-        stop(f"{todo} (in {impl.impl_path(args.impl)}): the benchmark needs a file that trains (task 1 done)", FAILED)
+    run_tool(main, parse(Args, argv, prog="python -m harness.tools.benchmark"), "the benchmark")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from harness import impl
 from harness.distributed import free_port, init_distributed, shutdown_distributed
+from harness.errors import BAD_INPUT, FAILED, ConfigError, stop
 
 
 # Imported once by the forkserver; every rank forks with them loaded. The forkserver is a
@@ -179,3 +181,16 @@ class RankPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def run_tool(main: Callable[[Any], Any], args: Any, what: str) -> None:
+    """A tool's `main(args)` on ranks it starts: input that cannot run as given (ConfigError) and a
+    file under test that stops at a TODO each end in one error line, saying how to go on."""
+    try:
+        main(args)
+    except ConfigError as e:  # --impl or --device as given cannot run; the message says how to fix it
+        stop(str(e), BAD_INPUT)
+    except RankError as e:
+        if not (todo := impl.todo_reached(e)):
+            raise
+        stop(f"{todo} (in {impl.impl_path(args.impl)}): {what} needs a file that trains (task 1 done)", FAILED)

@@ -43,8 +43,8 @@ from harness.tools.analysis import analyze_run
 from harness.cli import parse
 from harness.tools.collectives import measured_volume
 from harness.distributed import pool_device
-from harness.errors import BAD_INPUT, FAILED, ConfigError, stop
-from harness.tools.ranks import RankPool
+from harness.errors import FAILED, stop
+from harness.tools.ranks import RankPool, run_tool
 from harness.tools.report_jobs import comm_job, timeline_job, train_job
 from harness.tools.report_results import (
     CommBench, Environment, MemoryRow, Parts, Plan, Report, Reshard, StepTime, Timeline, Volume, Weak, check,
@@ -291,17 +291,7 @@ def main(args: Args) -> int:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    from harness.tools.ranks import RankError
-
-    args = parse(Args, argv, prog="python -m harness.tools.report")
-    try:
-        main(args)
-    except ConfigError as e:  # --impl or --device as given cannot run; the message says how to fix it
-        stop(str(e), BAD_INPUT)
-    except RankError as e:
-        if not (todo := impl.todo_reached(e)):
-            raise
-        stop(f"{todo} (in {impl.impl_path(args.impl)}): the report needs a file that trains (task 1 done)", FAILED)
+    run_tool(main, parse(Args, argv, prog="python -m harness.tools.report"), "the report")
 
 
 if __name__ == "__main__":
