@@ -17,13 +17,10 @@ from pathlib import Path
 
 from harness import assets
 from harness.distributed import free_port
+from harness.tests.test_platform import show
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the project's environment: what `uv run` puts first on PATH
-
-
-def show(proc: subprocess.CompletedProcess) -> str:
-    return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout[-5000:]}\n--- stderr\n{proc.stderr[-3000:]}"
 
 
 def test_pytest_test_fsdp():

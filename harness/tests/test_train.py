@@ -23,9 +23,10 @@ import tyro
 
 import train
 from harness import distributed, impl, model_setup
-from harness.tools import jobs, policy
 from harness.distributed import free_port
 from harness.errors import ConfigError
+from harness.tests.test_platform import show
+from harness.tools import jobs, policy
 from harness.tools.ranks import RankError, RankPool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,10 +252,6 @@ def torchrun(*train_args: str, timeout: float = 300) -> subprocess.CompletedProc
     # so a run left over elsewhere on the machine cannot collide with it.
     return run_cli("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                    "train.py", *train_args, timeout=timeout)
-
-
-def show(proc: subprocess.CompletedProcess) -> str:
-    return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
 
 
 @pytest.fixture(scope="module")
