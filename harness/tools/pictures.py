@@ -340,9 +340,9 @@ def draw_artifacts(folder: Path, impl: str, failed: str = "") -> list[str]:
             lines.append("overlap.png: not drawn: tasks 2 and 3 did not run (select them: -m task2, -m task3)")
         else:
             notes = {"effdl": failed or "the run left none (see the test output)"}
-            overlap_png(profiles / "fsdp2" / "traces", profiles / "effdl" / "traces", folder / "overlap.png",
-                        title=f"Overlap: FSDP2 and {impl}", notes=notes)
-            lines.append("overlap.png: drawn")
+            drawn = overlap_png(profiles / "fsdp2" / "traces", profiles / "effdl" / "traces", folder / "overlap.png",
+                                title=f"Overlap: FSDP2 and {impl}", notes=notes)
+            lines.append("overlap.png: drawn" + "".join(f"; {p.title}: {p.note}" for p in drawn.panels if p.note))
     except Exception as e:  # a picture is a by-product: say why it is missing, keep the session's result
         lines.append(f"overlap.png: not drawn: {type(e).__name__}: {e}")
     try:
