@@ -95,6 +95,8 @@ class Overlap:
 
     panels: list[Panel]
     xlim: tuple[float, float]
+    axes_xlim: list[tuple[float, float]] = field(default_factory=list)
+    """each drawn axis's x-limits, read back from the figure."""
 
 
 # --------------------------------------------------------------------------- reading one step
@@ -189,8 +191,7 @@ def overlap_png(fsdp2_traces: str | Path | None, effdl_traces: str | Path | None
         raise ValueError("no trace to draw: " + "; ".join(p.note for p in panels))
     groups = list(dict.fromkeys(g for p in drawn for g in p.groups))
     xlim = (0.0, max(p.length for p in drawn))
-    _draw_overlap(panels, groups, xlim, Path(out), title)
-    return Overlap(panels, xlim)
+    return Overlap(panels, xlim, _draw_overlap(panels, groups, xlim, Path(out), title))
 
 
 def _summary(panel: Panel) -> str:
@@ -204,7 +205,8 @@ def _summary(panel: Panel) -> str:
     return ("overlapped: " + ", ".join(parts)) if parts else ""
 
 
-def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, float], out: Path, title: str) -> None:
+def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, float], out: Path,
+                  title: str) -> list[tuple[float, float]]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,6 +257,7 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    return [tuple(ax.get_xlim()) for ax in axes]
 
 
 # --------------------------------------------------------------------------- memory.png
@@ -326,6 +329,16 @@ def record_memory(folder: Path, case: str, fsdp2: list[list[int]], effdl: list[l
     cases[case] = {"fsdp2": fsdp2, "effdl": effdl, "margin": margin}
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cases, indent=1))
+
+
+def failure_reason(text: str) -> str:
+    """One line from a failed test's report: the TODO a rank stopped at, else its last error line."""
+    from harness.impl import todo_reached
+
+    if todo := todo_reached(RuntimeError(text)):
+        return f"the run stopped at {todo}"
+    lines = [line.strip() for line in text.splitlines() if "Error" in line]
+    return re.sub(r"^E\s+", "", lines[-1])[:300] if lines else ""
 
 
 def draw_artifacts(folder: Path, impl: str, failed: str = "") -> list[str]:
