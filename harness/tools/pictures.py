@@ -7,7 +7,8 @@
 order), and in each row:
   * the group's compute: aten ops outside FSDP's own ranges and c10d ops (what the graded overlap
     check counts as compute, harness/tools/schedule.py), inside the group's `FSDP::pre_forward` ..
-    `post_forward` (forward) or `pre_backward` .. `post_backward` (backward) and no inner group's;
+    `post_forward` (forward) or `pre_backward` .. `post_backward` (backward) and no inner group's
+    (on CUDA the CPU side: when the ops were launched);
   * its all-gathers (upper half of the row) and reduce-scatters (lower half, hatched) as bars from
     issued to waited for (schedule.py), green where another group's compute ran in between, red where
     none did though FSDP's schedule could have (what the graded check flags, schedule.must_overlap),
