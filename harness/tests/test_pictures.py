@@ -41,7 +41,7 @@ def assert_drawn(drawing: pictures.Overlap, overlapped: tuple[bool, ...]) -> Non
     for panel, overlaps in zip(drawing.panels, overlapped):
         assert panel.groups == GROUPS, panel.title
         for group in GROUPS:
-            for kind in ("forward", "backward"):
+            for kind in ("forward", "backward", "hook"):
                 assert any(b.group == group and b.kind == kind for b in panel.bars), f"{panel.title}: no {kind} of {group}"
         for b in panel.bars:
             assert 0 <= b.start <= b.end <= panel.length, (panel.title, b)

@@ -50,7 +50,7 @@ MERGE_GAP = 0.002
 # A collective waited for at once still shows as a bar this share of the axis wide.
 MIN_WIDTH = 0.004
 COLOURS = {"forward": "#9ecae1", "backward": "#fdd0a2", "overlapped": "#2ca02c", "missed": "#d62728",
-           "exempt": "#969696"}
+           "exempt": "#969696", "hook": "#6a51a3"}
 # What pytest --artifacts writes into its folder (removed when a session starts, so nothing stale remains).
 ARTIFACTS = ("profiles", "memory.json", "overlap.png", "memory.png", "pictures.txt")
 
@@ -61,7 +61,7 @@ class Bar:
 
     group: str
     kind: str
-    """forward, backward (compute); all_gather, reduce_scatter (collectives)."""
+    """forward, backward (compute); hook (FSDP's own code); all_gather, reduce_scatter (collectives)."""
     start: float
     end: float
     phase: str = ""
@@ -116,12 +116,16 @@ def step_panel(traces: str | Path, title: str, rank: int = 0, step: int | None =
     panel.phases = [(ms(s), ms(e), p) for s, e, p in t.phases.ranges if begin <= s <= end]
 
     # Each group's windows, on the thread that ran them: (start, end, group, forward|backward).
+    # The hooks themselves (FSDP's own code: gathers, copies, waits) are drawn too, outermost ranges only.
     opened: dict[tuple, list] = {}
     windows: dict[tuple, list[tuple[float, float, str, str]]] = {}
+    hooks: list[tuple[float, float, str]] = []
     for e in sorted((e for e in t.ranges if e.get("cat") == "user_annotation" and begin <= e["ts"] <= end),
                     key=lambda e: e["ts"]):
         if m := WINDOW.match(e["name"]):
             thread, group, direction = (e["pid"], e["tid"]), m["fqn"] or ROOT_GROUP, m["direction"]
+            if not hooks or e["ts"] >= hooks[-1][1]:
+                hooks.append((e["ts"], e["ts"] + e["dur"], group))
             if m["when"] == "pre":
                 opened.setdefault((thread, group, direction), []).append(e["ts"])
             elif starts := opened.get((thread, group, direction)):
@@ -150,6 +154,7 @@ def step_panel(traces: str | Path, title: str, rank: int = 0, step: int | None =
                     merged.append([s, e])
             panel.bars += [Bar(group, direction, ms(s), ms(e)) for s, e in merged]
 
+    panel.bars += [Bar(group, "hook", ms(s), ms(min(e, end))) for s, e, group in hooks]
     scheduled = [s for s in schedule(t) if s.step == step]
     required = {id(s) for kind, phase in {(s.kind, s.phase) for s in scheduled}
                 for s in must_overlap([s for s in scheduled if (s.kind, s.phase) == (kind, phase)])}
@@ -216,7 +221,9 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
     from matplotlib.patches import Patch
 
     rows = {g: i for i, g in enumerate(groups)}
-    fig, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(14, 1.6 + 0.42 * len(panels) * max(len(groups), 3)))
+    legend_in = 0.7  # the legend below the panels, whatever their height
+    height = 0.8 + legend_in + len(panels) * (0.5 + 0.38 * max(len(groups), 3))
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(14, height))
     for ax, panel in zip(axes, panels):
         ax.set_title(f"{panel.title}    {_summary(panel)}", fontsize=10, loc="left", pad=12)
         ax.set_ylim(len(groups) - 0.5, -0.5)  # first group on top
@@ -234,6 +241,9 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
             if b.kind in ("forward", "backward"):
                 ax.broken_barh([(b.start, b.end - b.start)], (y - 0.45, 0.9), color=COLOURS[b.kind], lw=0)
                 continue
+            if b.kind == "hook":
+                ax.broken_barh([(b.start, b.end - b.start)], (y - 0.03, 0.06), color=COLOURS["hook"], lw=0)
+                continue
             colour = COLOURS["overlapped" if b.overlapped else "missed" if b.required else "exempt"]
             low = y - 0.38 if b.kind == "all_gather" else y + 0.04
             ax.broken_barh([(b.start, max(b.end - b.start, MIN_WIDTH * xlim[1]))], (low, 0.34), facecolor=colour, edgecolor="k",
@@ -245,6 +255,7 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
     axes[-1].set_xlabel("ms from the step's start")
     legend = [Patch(color=COLOURS["forward"], label="forward compute"),
               Patch(color=COLOURS["backward"], label="backward compute"),
+              Patch(color=COLOURS["hook"], label="in FSDP's hooks (thin: gathering, copying, waiting)"),
               Patch(facecolor="white", edgecolor="k", label="all-gather (upper half): issued to waited for"),
               Patch(facecolor="white", edgecolor="k", hatch="///", label="reduce-scatter (lower half): issued to waited for"),
               Patch(color=COLOURS["overlapped"], label="another group computed meanwhile (overlapped)"),
@@ -254,7 +265,7 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
     fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
