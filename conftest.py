@@ -83,7 +83,7 @@ def pytest_sessionstart(session):
 
     from harness.tools import checks, pictures
 
-    folder = Path(folder)
+    folder = Path(folder).resolve()
     pictures.clear_artifacts(folder)
 
     def seen(case, runs):
@@ -100,8 +100,9 @@ def pytest_sessionfinish(session):
         return
     from pathlib import Path
 
-    from harness.tools import pictures
+    from harness.tools import checks, pictures
 
+    checks.memory_seen = None
     # Why the hand-written FSDP's profiled run left no trace, if tasks 2 and 3 failed in their fixture.
     pictures.draw_artifacts(Path(folder), config.getoption("--impl"),
                             pictures.failure_reason(getattr(config, "_profiles_failed", "")))
