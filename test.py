@@ -57,9 +57,10 @@ def test_fsdp(impl, world, param_dtype, reduce_dtype, request, evidence):
 
 
 @pytest.fixture(scope="module")
-def profiles(pool2, impl, tmp_path_factory):
-    """One profiled run each of FSDP2 and the hand-written FSDP, shared by tasks 2 and 3."""
-    return checks.profile_both(pool2, impl, tmp_path_factory.mktemp("profiles"))
+def profiles(pool2, impl, artifacts, tmp_path_factory):
+    """One profiled run each of FSDP2 and the hand-written FSDP, shared by tasks 2 and 3 (kept in
+    DIR/profiles with --artifacts DIR)."""
+    return checks.profile_both(pool2, impl, artifacts / "profiles" if artifacts else tmp_path_factory.mktemp("profiles"))
 
 
 @pytest.mark.task2

@@ -24,6 +24,7 @@ TOOLS = {
     "harness.tools.grade": False,  # its submissions are many files: a positional folder, not --impl
     "harness.tools.handin": True,
     "harness.tools.init_memory": True,
+    "harness.tools.pictures": False,
     "harness.tools.report": True,
 }
 # names the shared flags replaced: each must not come back

@@ -16,3 +16,7 @@ def test_grade_folder(tmp_path):
     rows = {r["submission"].rsplit("/", 1)[-1]: r for r in csv.DictReader(out.open())}
     assert rows["cheat.py"]["total"] == "0" and "uses PyTorch's FSDP2" in rows["cheat.py"]["failures"], rows["cheat.py"]
     assert rows["hang.py"]["total"] == "0" and "timed out" in rows["hang.py"]["failures"], rows["hang.py"]
+    # Each submission's pictures beside the CSV: none here, and why (no profiled run; the session killed).
+    said = {name: (tmp_path / "points-pictures" / name / "pictures.txt").read_text() for name in ("cheat", "hang")}
+    assert "overlap.png: not drawn: tasks 2 and 3 did not run" in said["cheat"], said
+    assert "no pictures: pytest did not reach the end of its session" in said["hang"], said

@@ -20,6 +20,9 @@ def test_handin_reports_a_failing_run_and_attempted_bonuses(tmp_path):
     assert "Bonuses attempted: none." in summary, summary
     assert "tasks, effdl: TodoError: TODO(task1)" in summary, summary
     assert (out / "tasks" / "fsdp2" / "traces" / "rank0.json").is_file()
+    # The overlap picture still drawn, FSDP2's panel alone; no memory.png without the tests.
+    assert (out / "tasks" / "overlap.png").is_file()
+    assert "- tasks/overlap.png\n- memory.png: not drawn: --no-tests" in summary, summary
 
 
 def test_attempted_bonuses(tmp_path):

@@ -167,9 +167,9 @@ def test_quick_report_end_to_end(impl, tmp_path):
     assert "[12/12]" in proc.stdout  # the progress display ran to the end
     md = (tmp_path / "report.md").read_text()
     for section in ("## Environment", "## Memory per rank", "### Collective microbenchmark", "### Bytes per training step",
-                    "## Step time", "## reshard_after_forward", "## Weak scaling", "## Loss curves", "## Memory timeline"):
+                    "## Step time", "## Overlap", "## reshard_after_forward", "## Weak scaling", "## Loss curves", "## Memory timeline"):
         assert section in md
-    for png in ("memory", "comm_bandwidth", "weak_scaling", "loss", "memory_timeline"):
+    for png in ("memory", "comm_bandwidth", "overlap", "weak_scaling", "loss", "memory_timeline"):
         assert (tmp_path / f"{png}.png").stat().st_size > 10_000, png
         assert f"({png}.png)" in md  # each figure names its command
     data = json.loads((tmp_path / "report.json").read_text())

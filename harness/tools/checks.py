@@ -121,6 +121,17 @@ def check_odd_shapes(pool: RankPool, impl: str) -> str:
 # --------------------------------------------------------------------------- memory (task 3, bonuses)
 
 
+# Called as memory_seen(case, runs) with each memory check's runs ({"FSDP2": [...], "hand-written": [...]},
+# jobs.Memory per rank) before it judges them: `pytest --artifacts` records the peaks (conftest.py).
+memory_seen = None
+
+
+def allowance(m) -> int:
+    """The bytes a hand-written FSDP's peak per step may exceed FSDP2's: one block's reduce-scatter
+    input and one collective's buffer freed late (jobs.Memory's block sizes)."""
+    return m.block_reduce + LATE_BUFFERS * m.block_largest
+
+
 def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
     """Peak memory per step (tensor memory on CPU) within one reduce-scatter input and a late buffer of
     FSDP2's, and no growth.
@@ -134,6 +145,8 @@ def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
     for name, c in (("FSDP2", as_fsdp2(cfg)), ("hand-written", cfg)):
         with RankPool(pool.world_size, device=pool.device) as fresh:
             runs[name] = run(fresh, memory_job, c)
+    if memory_seen is not None:
+        memory_seen(what + "".join(f", {k}={v}" for k, v in overrides.items()), runs)
     mib = lambda n: f"{n / 2**20:.2f} MiB"
     worst, margin = -float("inf"), 0
     for rank, (ref, got) in enumerate(zip(runs["FSDP2"], runs["hand-written"])):
@@ -147,7 +160,7 @@ def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
                                  f"{len(got.held)} than at the end of step 2 ({', '.join(mib(x) for x in got.held)}): "
                                  "something leaks every step (tensors kept by a collective's work, an autograd "
                                  "graph or a buffer that is never freed)")
-        margin = got.block_reduce + late
+        margin = allowance(got)
         steady_ref, steady = min(ref.peaks[1:]), min(got.peaks[1:])
         worst = max(worst, steady - steady_ref)
         if steady > steady_ref + margin:

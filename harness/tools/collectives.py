@@ -202,6 +202,11 @@ def _cuda_intervals(t: Trace) -> tuple[list[tuple[dict, Interval]], list[Interva
     return collectives, compute
 
 
+def work_intervals(t: Trace) -> list[tuple[dict, Interval]]:
+    """(c10d op, where its work ran: the gloo range or the NCCL kernel) for every op found running."""
+    return (_cuda_intervals(t) if t.cuda else _cpu_intervals(t))[0]
+
+
 def analyze_trace(trace: Trace | str | Path | dict) -> list[StepStats]:
     """Per profiled step of one rank."""
     t = trace if isinstance(trace, Trace) else Trace(trace)

@@ -4,14 +4,18 @@
     uv run python -m harness.tools.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
 
 Each submission runs `pytest test.py --impl FILE` in its own process group with a time limit, so
-one that hangs or crashes costs only its own row.
+one that hangs or crashes costs only its own row. Its pictures (`pytest --artifacts`: overlap.png,
+memory.png, pictures.txt saying what could not be drawn) go to `<CSV stem>-pictures/<submission
+stem>/` beside the CSV, or under `--pictures DIR`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,18 +42,45 @@ class Args:
     """a .py file, or a folder of them."""
     out: Path | None = None
     """CSV file to write (default: stdout)."""
+    pictures: Path | None = None
+    """folder for each submission's pictures, DIR/<submission stem>/ (default: <CSV stem>-pictures
+    beside --out; none when the CSV goes to stdout)."""
     timeout: float = 1200
     """seconds per submission: one that takes longer (hung?) gets no points."""
     pytest_args: tyro.conf.Suppress[tuple[str, ...]] = ()
 
 
-def grade(path: Path, timeout: float, pytest_args: list[str]) -> dict:
-    """One submission's row: points per task, total, and what failed, in one line."""
+@contextlib.contextmanager
+def pictures_only(artifacts: Path | None):
+    """Around pytest --artifacts: nothing of an earlier grading left; afterwards the pictures kept, the
+    traces removed; a session that never reached its end (timed out, crashed) drew nothing, said in
+    pictures.txt."""
+    for name in ("overlap.png", "memory.png", "memory.json", "pictures.txt"):
+        if artifacts is not None and (artifacts / name).exists():
+            (artifacts / name).unlink()
+    try:
+        yield
+    finally:
+        if artifacts is not None:
+            shutil.rmtree(artifacts / "profiles", ignore_errors=True)
+            if not (artifacts / "pictures.txt").exists():
+                artifacts.mkdir(parents=True, exist_ok=True)
+                (artifacts / "pictures.txt").write_text("no pictures: pytest did not reach the end of its session "
+                                                        "(timed out or crashed)\n")
+
+
+def grade(path: Path, timeout: float, pytest_args: list[str], artifacts: Path | None = None) -> dict:
+    """One submission's row: points per task, total, and what failed, in one line. With `artifacts`,
+    pytest draws overlap.png and memory.png there (pictures.txt says what it could not draw); the
+    profiled traces they were drawn from are removed (about 50 MB a submission)."""
     row = {"submission": str(path), **{line.name: 0 for line in LINES}, "total": 0, "failures": ""}
-    with tempfile.TemporaryDirectory() as tmp:
+    artifacts = Path(artifacts).resolve() if artifacts is not None else None
+    with tempfile.TemporaryDirectory() as tmp, pictures_only(artifacts):
         out = Path(tmp) / "points.json"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "test.py"),
                "--impl", str(path.resolve()), "--points-json", str(out), *pytest_args]
+        if artifacts is not None:
+            cmd += ["--artifacts", str(artifacts)]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:
@@ -86,9 +117,10 @@ def main(args: Args) -> None:
     out = open(args.out, "w", newline="") if args.out else sys.stdout
     writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()
+    pictures = args.pictures or (args.out.parent / f"{args.out.stem}-pictures" if args.out else None)
     for path in files:
         print(f"grading {path}", file=sys.stderr, flush=True)
-        writer.writerow(grade(path, args.timeout, list(args.pytest_args)))
+        writer.writerow(grade(path, args.timeout, list(args.pytest_args), pictures and pictures / path.stem))
         out.flush()
     if out is not sys.stdout:
         out.close()

@@ -10,6 +10,8 @@ It writes
                                  a profiled run of FSDP2 and of your FSDP: `tasks` (tasks 1-3,
                                  train.py's defaults) and each bonus you attempted (its test
                                  passed, or its TODO(bonusN) comment is gone from your file);
+  <run>/overlap.png              FSDP2's schedule above yours, one step of rank 0 (harness/tools/pictures.py);
+  memory.png                     the peak memory per step of FSDP2 and of your FSDP in the memory tests;
   SUMMARY.md                     what is there, and every run that failed, with its error.
 A run of your FSDP that fails (a TODO, a bug) is reported in SUMMARY.md; the rest still runs.
 """
@@ -19,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -54,15 +58,40 @@ class Args:
     pytest_args: tyro.conf.Suppress[tuple[str, ...]] = ()
 
 
-def run_tests(impl: str, out: Path, pytest_args: list[str]) -> dict | None:
-    """`pytest test.py --impl IMPL --points-json`; the points rows, or None if it wrote none."""
+def run_tests(impl: str, out: Path, pytest_args: list[str]) -> tuple[dict | None, str]:
+    """`pytest test.py --impl IMPL --points-json --artifacts`: the points rows (None if it wrote none),
+    and what became of memory.png (copied into `out`)."""
     points = out / "points.json"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(ROOT / "test.py"), "--impl", impl,
-           "--points-json", str(points), *pytest_args]
-    print(f"running {' '.join(cmd[2:])} (a few minutes)", flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    (out / "test-output.txt").write_text(proc.stdout)
-    return json.loads(points.read_text()) if points.exists() else None
+    (out / "memory.png").unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as artifacts:
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(ROOT / "test.py"), "--impl", impl,
+               "--points-json", str(points), "--artifacts", artifacts, *pytest_args]
+        print(f"running {' '.join(cmd[2:])} (a few minutes)", flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        (out / "test-output.txt").write_text(proc.stdout)
+        said = Path(artifacts, "pictures.txt")
+        memory = next((line for line in said.read_text().splitlines() if line.startswith("memory.png")), None) \
+            if said.exists() else "memory.png: not drawn: pytest did not reach the end of its session"
+        if Path(artifacts, "memory.png").exists():
+            shutil.copy(Path(artifacts, "memory.png"), out / "memory.png")
+            memory = "memory.png"
+    return (json.loads(points.read_text()) if points.exists() else None), memory or "memory.png: not drawn"
+
+
+def draw_overlap(out: Path, name: str, impl: str, failures: list[str]) -> str:
+    """<run>/overlap.png from the run's traces; one line saying what was drawn."""
+    from harness.tools import pictures
+
+    failed = {who: next((f.split(": ", 1)[1] for f in failures if f.startswith(f"{name}, {who}: ")), None)
+              for who in ("fsdp2", "effdl")}  # then its folder holds no trace of this hand-in, or an older one
+    traces = [None if failed[who] else out / name / who / "traces" for who in ("fsdp2", "effdl")]
+    (out / name / "overlap.png").unlink(missing_ok=True)  # an earlier hand-in's
+    try:
+        pictures.overlap_png(*traces, out / name / "overlap.png", title=f"Overlap, {name}: FSDP2 and {impl}",
+                             notes={who: f"the run failed: {f}" for who, f in failed.items() if f})
+        return f"{name}/overlap.png"
+    except Exception as e:  # a picture must not cost the rest of the hand-in
+        return f"{name}/overlap.png not drawn: {type(e).__name__}: {e}"
 
 
 def attempted_bonuses(impl_file: Path, points: dict | None) -> list[str]:
@@ -107,10 +136,11 @@ def main(args: Args) -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    points = run_tests(impl, out, list(args.pytest_args)) if args.tests else None
+    points, memory = run_tests(impl, out, list(args.pytest_args)) if args.tests else (None, "memory.png: not drawn: --no-tests")
     bonuses = attempted_bonuses(impl_file, points)
     runs = args.runs or ["tasks", *bonuses]
     failures = profile_runs(impl, out, runs, args.world_size)
+    drawn = [draw_overlap(out, name, impl_file.name, failures) for name in runs]
 
     lines = [f"# Hand-in of {impl_file}", ""]
     if points is None:
@@ -125,6 +155,8 @@ def main(args: Args) -> None:
               "Profiled runs (traces/rank{r}.json for Perfetto, snapshots/rank{r}.pickle for "
               "`python -m torch.cuda._memory_viz trace_plot`):", ""]
     lines += [f"- {name}/fsdp2 and {name}/effdl" for name in runs]
+    lines += ["", "Pictures (FSDP2 above yours; memory from the memory tests):", ""]
+    lines += [f"- {d}" for d in drawn] + [f"- {memory}"]
     if failures:
         lines += ["", "Runs that failed:", ""] + [f"- {f}" for f in failures]
     (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")

@@ -30,6 +30,7 @@ def render(out: Path, report: Report, checks: list[str], warnings: list[str]) ->
     md += memory_section(out, report, cmd)
     md += communication_section(out, report, cmd)
     md += step_time_section(report)
+    md += overlap_section(out, cmd)
     md += reshard_section(report)
     md += weak_section(out, report, cmd)
     md += loss_section(out, report, cmd)
@@ -149,6 +150,23 @@ def step_time_section(report: Report) -> list[str]:
         md.append(f"| {NAMES[r.run]} | {r.step_ms:.0f} | {r.ratio:.2f} | {r.comm_share:.0%} | "
                   f"{r.hidden_share:.0%} | {r.ag_hidden:.0%} | {r.rs_hidden:.0%} |")
     return md
+
+
+def overlap_section(out: Path, cmd: str) -> list[str]:
+    """The profiled runs' schedules (out/traces/<fsdp2|effdl>, written by report.Sections.traces)."""
+    from harness.tools import pictures
+
+    md = ["", "## Overlap (W=2, rank 0)", "",
+          "One profiled step of FSDP2 above the same step of the hand-written FSDP, each from its step's start: "
+          "per FSDP group its forward and backward compute, and its all-gathers and reduce-scatters from issued "
+          "to waited for (green: another group computed meanwhile), with where gloo ran them "
+          "(harness/tools/pictures.py).", ""]
+    try:
+        pictures.overlap_png(out / "traces" / "fsdp2", out / "traces" / "effdl", out / "overlap.png",
+                             title="Overlap: FSDP2 and the hand-written FSDP")
+    except (OSError, ValueError) as e:  # traces missing or not train.py's: the rest of the report stands
+        return md + [f"Not drawn: {e}", ""]
+    return md + [f"![overlap](overlap.png)  \n`{cmd}` (overlap.png)", ""]
 
 
 def reshard_section(report: Report) -> list[str]:

@@ -19,3 +19,6 @@ def test_handin_writes_points_traces_and_snapshots(tmp_path):
             assert (out / "tasks" / who / "snapshots" / f"rank{rank}.pickle").is_file(), who
     summary = (out / "SUMMARY.md").read_text()
     assert "| task 1 forward | - / 3 | not graded" in summary and "Runs that failed" not in summary, summary
+    # Each run's overlap picture; no memory test ran in this selection, so no memory.png, said why.
+    assert (out / "tasks" / "overlap.png").stat().st_size > 30_000
+    assert "- tasks/overlap.png\n- memory.png: not drawn: no memory check ran" in summary, summary
