@@ -25,6 +25,7 @@ TOOLS = {
     "harness.tools.handin": True,
     "harness.tools.init_memory": True,
     "harness.tools.report": True,
+    "harness.tools.similarity": False,  # a folder of submissions, as grade
 }
 # names the shared flags replaced: each must not come back
 RETIRED = {"--output", "--world"}
