@@ -67,7 +67,9 @@ def test_fsdp2_pasted_under_new_names_is_flagged(tmp_path):
     batch = check([path])
     m = score(batch, path.name, FSDP2)
     assert m.flagged and m.score > 0.9, m
-    assert batch.columns(path.name) == {"similar_to": FSDP2, "similarity": f"{m.score:.2f}", "flagged": "yes"}
+    columns = batch.columns(path.name)
+    assert columns["similar_to"] == FSDP2 and columns["similarity"] == f"{m.score:.2f}" and columns["flagged"] == "yes"
+    assert columns["similar_lines"].startswith("pasted.py:") and " ~ _fully_shard/" in columns["similar_lines"], columns
     # the matched lines are the pasted ones, after the skeleton's, and FSDP2's own lines
     given = len(SKELETON.read_text().splitlines())
     ranges_a, ranges_b = m.ranges()
@@ -114,7 +116,7 @@ def test_given_code_never_counts(tmp_path):
     files = [tmp_path / "skeleton.py", one]
     files[0].write_text(skeleton)
     batch = check(files)
-    assert batch.columns("skeleton.py") == {"similar_to": "", "similarity": "0.00", "flagged": "no"}
+    assert batch.columns("skeleton.py") == {"similar_to": "", "similarity": "0.00", "similar_lines": "", "flagged": "no"}
     assert score(batch, "skeleton.py", "one_todo.py").score == 0
     # Two lines make two fingerprints; one idiom in them is FSDP2's too. MIN_SHARED is why that is no flag.
     m = score(batch, "one_todo.py", FSDP2)

@@ -4,7 +4,7 @@
     uv run python -m harness.tools.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
 
 Each row also says how close the submission's own code comes to FSDP2's source or to another
-submission of the folder (`similar_to`, `similarity`, `flagged`: harness.tools.similarity), and
+submission of the folder (`similar_to`, `similarity`, `similar_lines`, `flagged`: harness.tools.similarity), and
 similarity.md beside the CSV shows the closest pairs side by side.
 
 Each submission runs `pytest test.py --impl FILE` in its own process group with a time limit, so
@@ -89,7 +89,7 @@ def main(args: Args) -> None:
         files = [args.submissions]
     else:
         stop(f"{args.submissions} is not a .py file: give a .py submission or a folder of them", BAD_INPUT)
-    fields = ["submission", *(line.name for line in LINES), "total", "failures", "similar_to", "similarity", "flagged"]
+    fields = ["submission", *(line.name for line in LINES), "total", "failures", *similarity.COLUMNS]
     out = open(args.out, "w", newline="") if args.out else sys.stdout
     writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()

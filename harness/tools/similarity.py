@@ -51,13 +51,13 @@ FSDP2 = "FSDP2"  # the name FSDP2's source goes by in the CSV and on the page
 # Calibrated on the cases of the tests, with torch 2.11's FSDP2 (scores measured then, for scale):
 # FSDP2's six largest functions pasted in under new names score 0.98 against FSDP2; the reference
 # solution renamed and re-spaced 0.98 against itself; two honest solutions of the same TODOs (the
-# reference and an independently written one) 0.13 against each other, 0.07 and 0.02 against FSDP2.
-K = 12  # tokens per fingerprint, about one statement. Shorter ones are idioms every solution has:
-        # at K = 6 the honest pair scores 0.48; at 9, 0.21; at 12, 0.13; at 16, 0.08, where the
-        # copies start to slip (0.97) as each edit breaks longer runs.
+# reference and an independently written one) 0.10 against each other, 0.07 and 0.04 against FSDP2.
+K = 12  # tokens per fingerprint, about one statement. Shorter ones are idioms any solution has:
+        # the honest scores are at most 0.48 at K = 6, 0.20 at 9, 0.10 at 12, 0.06 at 16, where the
+        # copies begin to slip (0.97), each edit breaking longer runs.
 W = 8   # winnowing window: a copied run of W + K - 1 = 19 tokens (two statements) is always seen;
-        # W hardly moves the scores (4 to 12: within 0.02), it thins the fingerprints kept.
-FLAG = 0.5  # half of one's code found in the other: four times the honest pair, half the copies'
+        # W hardly moves the scores (4 to 12: within 0.04), it thins the fingerprints kept.
+FLAG = 0.5  # half of one's code found in the other: five times the honest scores, half the copies'
 MIN_SHARED = 8  # and at least 8 fingerprints (some 60 tokens): one filled two-line TODO has two,
                 # and one of them is also FSDP2's (a 0.5 share), which is no evidence
 SHOWN = 20  # pairs on the page
@@ -65,9 +65,10 @@ SHOWN = 20  # pairs on the page
 # Attribute names after a dot: "keep" (all), "normalise" (none), "defined" (normalise the ones the
 # compared code or FSDP2 defines, keep the API's: `copy_`, `all_gather_into_tensor`). Measured: "keep"
 # loses a third of the copies (0.66 for FSDP2 pasted, 0.74 for the renamed reference: their renamed
-# attributes no longer match), a little more editing hides them; "normalise" finds them (0.99, 0.98) but raises the honest pair to 0.16 and the
-# reference against FSDP2 to 0.11 (every `x.y(z)` looks alike); "defined" finds them (0.98, 0.98)
-# and keeps the honest ones lowest (0.13, 0.07).
+# attributes no longer match), a little more editing would hide them; "normalise" finds them (0.99,
+# 0.98) but lifts the honest scores (0.12 between the solutions, 0.11 and 0.07 against FSDP2: every
+# `x.y(z)` looks alike); "defined" finds them (0.98, 0.98) and keeps the honest ones lowest (0.10,
+# 0.07, 0.04).
 ATTRIBUTES = "defined"
 _KEPT_NAMES = frozenset(keyword.kwlist) | frozenset(dir(builtins))
 # Python 3.12 tokenises an f-string into parts (its expressions as ordinary tokens between them).
@@ -285,14 +286,29 @@ class Batch:
         return max(mine, key=lambda m: (m.score, len(m.shared)), default=None)
 
     def columns(self, name: str) -> dict[str, str]:
-        """The CSV columns of one submission: similar_to (nothing when nothing matched), similarity, flagged."""
+        """The CSV columns of one submission (see COLUMNS); similar_to is empty when nothing matched."""
         code = next(c for c in self.codes if c.name == name)
         if code.error:
-            return {"similar_to": code.error, "similarity": "", "flagged": "no"}
+            return {"similar_to": code.error, "similarity": "", "similar_lines": "", "flagged": "no"}
         m = self.best(name)
         if m is None or not m.score:
-            return {"similar_to": "", "similarity": "0.00", "flagged": "no"}
-        return {"similar_to": m.b.name, "similarity": f"{m.score:.2f}", "flagged": "yes" if m.flagged else "no"}
+            return {"similar_to": "", "similarity": "0.00", "similar_lines": "", "flagged": "no"}
+        mine, theirs = m.ranges()
+        return {"similar_to": m.b.name, "similarity": f"{m.score:.2f}",
+                "similar_lines": f"{show(mine, 3)} ~ {show(theirs, 3)}", "flagged": "yes" if m.flagged else "no"}
+
+
+# The CSV columns grade adds: the closest match, its score, its lines on both sides, and whether flagged.
+COLUMNS = ("similar_to", "similarity", "similar_lines", "flagged")
+
+
+def show(ranges: list[tuple[str, int, int]], most: int = 6) -> str:
+    """The first `most` line ranges, by file: `a.py:3-9,12; b.py:40-52` (and how many in all)."""
+    by_file: dict[str, list[str]] = {}
+    for f, a, b in ranges[:most]:
+        by_file.setdefault(f, []).append(f"{a}-{b}" if a != b else str(a))
+    text = "; ".join(f"{f}:{','.join(lines)}" for f, lines in by_file.items())
+    return text + (f" ... ({len(ranges)} ranges)" if len(ranges) > most else "")
 
 
 def check(paths: list[Path], skeleton: Path = SKELETON, attributes: str = ATTRIBUTES) -> Batch:
@@ -325,7 +341,6 @@ def page(batch: Batch, paths: list[Path]) -> str:
            "in common. A flag is a reason to read both, not a verdict.", "",
            "| score | flagged | submission | similar to | shared | lines (submission) | lines (other) |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
-    show = lambda rs: ", ".join(f"{f}:{a}-{b}" if a != b else f"{f}:{a}" for f, a, b in rs[:6]) + (" ..." if len(rs) > 6 else "")
     for m in rank:
         ranges_a, ranges_b = m.ranges()
         out.append(f"| {m.score:.2f} | {'**yes**' if m.flagged else 'no'} | {m.a.name} | {m.b.name} | {len(m.shared)} | "
@@ -340,7 +355,8 @@ def page(batch: Batch, paths: list[Path]) -> str:
         out += ["", f"## {m.a.name} ~ {m.b.name}: {m.score:.2f}", "", "The longest matched range of each side:"]
         for code, ranges in zip((m.a, m.b), m.ranges()):
             path, first, last = longest(ranges)
-            out += ["", f"{code.name}, {path} lines {first}-{last}:", "", _excerpt(files, (path, first, last))]
+            where = f"{path} lines {first}-{last}" if code.name != FSDP2 else f"FSDP2, {path} lines {first}-{last}"
+            out += ["", where + ":", "", _excerpt(files, (path, first, last))]
     return "\n".join(out) + "\n"
 
 

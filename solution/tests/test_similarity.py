@@ -2,11 +2,13 @@
 and an independently written correct solution of the same TODOs (variant_fsdp.py) are not, against
 each other nor against FSDP2.
 
-variant_fsdp.py is the skeleton with every task1 TODO filled anew: other helpers (`_allocate_full`),
-split/narrow/cat where the reference slices and loops, a concatenated send buffer for the all-gather
-and a zeroed, unflattened gradient layout. It passes all of task1 at world sizes 2 and 3:
+variant_fsdp.py is the skeleton with every task1, task2 and task3 TODO filled anew (the bonuses keep
+their stand-ins): its own helpers (`_allocate_full`, `RootContext.flush_reduce`), split/narrow/cat where
+the reference slices, a concatenated send buffer for the all-gather, a zeroed and unflattened gradient
+layout, forward prefetch from a successor map, backward prefetch by scanning what forward finished.
+It passes test.py's task1 (world sizes 2 and 3), task2 and task3:
 
-    uv run pytest test.py -m task1 --impl solution/tests/variant_fsdp.py
+    uv run pytest test.py -m "task1 or task2 or task3" --impl solution/tests/variant_fsdp.py
 """
 
 from __future__ import annotations
