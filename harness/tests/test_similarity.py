@@ -18,6 +18,9 @@ import pytest
 from harness.tools import grade, handwritten, similarity
 from harness.tools.similarity import FSDP2, SKELETON, check
 
+# A student's copy of the repository has their work in fsdp.py: these cases need the unfilled skeleton.
+needs_skeleton = pytest.mark.skipif(not similarity.is_skeleton(SKELETON.read_text()), reason="fsdp.py is not the skeleton")
+
 
 def rename(source: str, keep: set[str] = frozenset(), defined: set[str] = frozenset()) -> str:
     """`source` with every plain name and every attribute it or `defined` defines renamed consistently
@@ -60,6 +63,7 @@ def score(batch: similarity.Batch, a: str, b: str) -> similarity.Match:
     return next(m for m in batch.matches if {m.a.name, m.b.name} == {a, b})
 
 
+@needs_skeleton
 def test_fsdp2_pasted_under_new_names_is_flagged(tmp_path):
     path = fsdp2_pasted(tmp_path)
     pasted = path.read_text()[len(SKELETON.read_text()):]
@@ -77,6 +81,7 @@ def test_fsdp2_pasted_under_new_names_is_flagged(tmp_path):
     assert {f for f, _, _ in ranges_b} >= {"_fully_shard/_fsdp_collectives.py", "_fully_shard/_fsdp_param.py"}
 
 
+@needs_skeleton
 def test_fsdp2_pasted_without_normalising_is_missed(tmp_path, monkeypatch):
     """What makes the check work: names normalised. Compared as written, the renamed copy is missed."""
     path = fsdp2_pasted(tmp_path)
@@ -89,6 +94,7 @@ def test_fsdp2_pasted_without_normalising_is_missed(tmp_path, monkeypatch):
     assert not m.flagged and m.score < 0.1, m
 
 
+@needs_skeleton
 def test_two_renamed_copies_are_flagged_together(tmp_path):
     """Two submissions of the same pasted code, renamed apart: flagged against each other as well."""
     a, b = fsdp2_pasted(tmp_path, "a.py"), tmp_path / "b.py"
@@ -97,6 +103,7 @@ def test_two_renamed_copies_are_flagged_together(tmp_path):
     assert score(batch, "a.py", "b.py").flagged and score(batch, "a.py", "b.py").score > 0.9
 
 
+@needs_skeleton
 def test_given_code_never_counts(tmp_path):
     """The skeleton has no own code, nor does a copy of it re-spaced and re-commented; one filled TODO
     is that submission's only code."""
@@ -130,6 +137,7 @@ def test_winnowing_keeps_a_fingerprint_of_every_long_enough_run():
     assert kept and all(b - a <= similarity.W for a, b in zip(kept, kept[1:])), kept
 
 
+@needs_skeleton
 def test_page_and_cli(tmp_path, capsys):
     folder = tmp_path / "subs"
     folder.mkdir()
@@ -154,6 +162,21 @@ def test_bad_input(tmp_path, capsys, make, problem):
     assert e.value.code == 2 and problem in capsys.readouterr().err
 
 
+@needs_skeleton
+def test_a_filled_skeleton_is_refused(tmp_path, capsys):
+    """Given code is the skeleton's: a skeleton with a TODO filled (a student's fsdp.py) would hide that code."""
+    skeleton = SKELETON.read_text()
+    raise_line = next(line for line in skeleton.splitlines() if 'raise TodoError("TODO(task1): ' in line)
+    filled = tmp_path / "filled.py"
+    filled.write_text(skeleton.replace(raise_line, raise_line.replace('raise TodoError("TODO(task1): ', 'print("')))
+    with pytest.raises(SystemExit) as e:
+        similarity.cli([str(filled), "--skeleton", str(filled)])
+    assert e.value.code == 2 and "is not the unfilled skeleton" in capsys.readouterr().err
+    # grade goes on without: each row says why it was not compared
+    assert check([filled], filled).columns("filled.py")["similar_to"].startswith("not compared: ")
+
+
+@needs_skeleton
 def test_grade_adds_the_columns_and_the_page(tmp_path, monkeypatch):
     """grade's CSV gets similar_to/similarity/flagged, and similarity.md lands beside it (the tests
     themselves are not run here: test_grade runs them)."""

@@ -311,9 +311,33 @@ def show(ranges: list[tuple[str, int, int]], most: int = 6) -> str:
     return text + (f" ... ({len(ranges)} ranges)" if len(ranges) > most else "")
 
 
+def is_skeleton(text: str) -> bool:
+    """Whether the file is still the unfilled skeleton: each `# TODO(task1)` still followed by its raise
+    (a guard against comparing with a student's own fsdp.py, where nothing would count as theirs)."""
+    todos = text.count("# TODO(task1): ")
+    return todos > 0 and text.count('raise TodoError("TODO(task1): ') == todos
+
+
+def read_skeleton(path: Path) -> str:
+    if not path.is_file():
+        stop(f"the skeleton {path} is missing: restore it (`git checkout fsdp.py`) or give one with --skeleton",
+             BAD_INPUT)
+    text = path.read_text()
+    if not is_skeleton(text):
+        stop(f"{path} is not the unfilled skeleton (its TODO(task1)s no longer all raise), and the skeleton's "
+             "given code is what similarity leaves out of each submission: put the skeleton back in place "
+             "(`git stash` the work in it) or give it with `python -m harness.tools.similarity --skeleton`",
+             BAD_INPUT)
+    return text
+
+
 def check(paths: list[Path], skeleton: Path = SKELETON, attributes: str = ATTRIBUTES) -> Batch:
-    """Compare each submission with FSDP2 and with every other one (one file: FSDP2 only)."""
-    given = skeleton.read_text()
+    """Compare each submission with FSDP2 and with every other one (one file: FSDP2 only). Without
+    the unfilled skeleton nothing is compared (each submission says why): grading goes on."""
+    given = skeleton.read_text() if skeleton.is_file() else ""
+    if not is_skeleton(given):
+        why = f"not compared: {skeleton} is not the unfilled skeleton (see harness.tools.similarity --skeleton)"
+        return Batch([Code(p.name, error=why) for p in paths], [])
     codes = [submission_code(p, given, attributes) for p in paths]
     fsdp2 = fsdp2_code(attributes)
     readable = [c for c in codes if not c.error]
@@ -383,11 +407,14 @@ class Args:
     """a .py file (compared with FSDP2 only), or a folder of them (also with each other)."""
     out: Path | None = None
     """markdown page to write (default: stdout)."""
+    skeleton: Path = SKELETON
+    """the unfilled skeleton, whose given code is no submission's own (default: the repository's fsdp.py)."""
 
 
 def main(args: Args) -> None:
     files = submissions(args.submissions)
-    batch = check(files)
+    read_skeleton(args.skeleton)
+    batch = check(files, args.skeleton)
     text = page(batch, files)
     if args.out is None:
         print(text, end="")
