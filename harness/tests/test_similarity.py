@@ -22,21 +22,28 @@ from harness.tools.similarity import FSDP2, SKELETON, check
 needs_skeleton = pytest.mark.skipif(not similarity.is_skeleton(SKELETON.read_text()), reason="fsdp.py is not the skeleton")
 
 
-def rename(source: str, keep: set[str] = frozenset(), defined: set[str] = frozenset()) -> str:
-    """`source` with every plain name and every attribute it or `defined` defines renamed consistently
-    (keywords, builtins, API attributes and `keep` excepted), and every token re-spaced."""
-    defined = similarity.defined_names(source) | defined
+def rename(source: str, keep: set[str] = frozenset()) -> str:
+    """`source` with every plain name, and every attribute or method it defines, renamed consistently
+    (keywords, builtins, API attributes, imports, keyword arguments and `keep` excepted, so that a
+    program still runs), and every token re-spaced."""
+    tree = ast.parse(source)
+    attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    attributes |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    toks = list(tokenize.generate_tokens(io.StringIO(source).readline))
     new: dict[str, str] = {}
-    out, prev = [], None
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    out, depth, statement = [], 0, []
+    for i, tok in enumerate(toks):
         text = tok.string
-        after_dot = prev is not None and prev.string == "."
+        depth += (text in "([{") - (text in ")]}") if tok.type == tokenize.OP else 0
+        code = [t for t in statement if t.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+        after_dot = bool(code) and code[-1].string == "."
+        importing = bool(code) and code[0].string in ("import", "from")
+        keyword_argument = depth > 0 and i + 1 < len(toks) and toks[i + 1].string == "="
         if (tok.type == tokenize.NAME and text not in similarity._KEPT_NAMES and text not in keep
-                and (text in defined or not after_dot)):
+                and not importing and not keyword_argument and (text in attributes or not after_dot)):
             text = new.setdefault(text, f"q{len(new)}_{text[::-1].strip('_')}")
         out.append((tok.type, text))
-        if tok.type not in (tokenize.NL, tokenize.COMMENT):
-            prev = tok
+        statement = [] if tok.type == tokenize.NEWLINE else statement + [tok]
     return tokenize.untokenize(out)
 
 

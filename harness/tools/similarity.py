@@ -19,8 +19,8 @@ FSDP2's source pasted in under new names. How:
 3. Fingerprints: hashes of every K tokens in a row, winnowed (of each W consecutive hashes the
    smallest is kept), MOSS's algorithm: any common run of W + K - 1 tokens shares a fingerprint.
 4. Score of A against B: the share of A's fingerprints that B has. Two submissions: the larger of
-   both directions; a submission against FSDP2: the submission's direction (FSDP2's 4,500 lines are
-   never mostly inside one submission). Flagged at FLAG or above, with at least MIN_SHARED shared.
+   both directions; a submission against FSDP2: the submission's direction (FSDP2's thousands of lines
+   are never mostly inside one submission). Flagged at FLAG or above, with at least MIN_SHARED shared.
    A flag says where to read, not what happened: the page shows both sides of the closest pairs.
 """
 
@@ -355,7 +355,7 @@ def _excerpt(files: dict[str, list[str]], where: tuple[str, int, int], lines: in
 
 def page(batch: Batch, paths: list[Path]) -> str:
     """The markdown page: the closest pairs, their scores, line ranges and an excerpt of each side."""
-    files = {p.name: p.read_text().splitlines() for p in paths}
+    files = {p.name: p.read_text(errors="replace").splitlines() for p in paths}
     files |= {os.path.join("_fully_shard", f.name): s.splitlines() for f, s in fsdp2_sources().items()}
     rank = sorted((m for m in batch.matches if m.score), key=lambda m: (-m.score, -len(m.shared), m.a.name, m.b.name))[:SHOWN]
     out = ["# Similarity", "",

@@ -28,7 +28,8 @@ REFERENCE, VARIANT = ROOT / "solution" / "fsdp.py", ROOT / "solution" / "tests" 
 @pytest.fixture
 def batch_files(tmp_path) -> list[Path]:
     """The reference, the variant, the reference renamed apart (all it defines beyond the skeleton,
-    every local) and re-spaced, and FSDP2 pasted in: one batch, as a grader would run it."""
+    every local; still a working FSDP) and re-spaced, and FSDP2 pasted in: one batch, as a
+    grader would run it."""
     ref, var, renamed = tmp_path / "reference.py", tmp_path / "variant.py", tmp_path / "renamed.py"
     ref.write_text(REFERENCE.read_text())
     var.write_text(VARIANT.read_text())
@@ -49,14 +50,17 @@ def test_renamed_copy_is_flagged_and_honest_solutions_are_not(batch_files):
     assert batch.columns("variant.py")["flagged"] == "no" and batch.columns("pasted.py")["flagged"] == "yes"
 
 
-def test_renamed_copy_without_normalising_is_missed(batch_files, monkeypatch):
+def test_renamed_copy_needs_normalising(batch_files, monkeypatch):
+    """Compared as written, only the statements with no renamed name in them still match: about half
+    (the copy keeps the skeleton's names and the API's), where normalised it is all."""
+    normalised = score(check(batch_files[:3]), "reference.py", "renamed.py")
     monkeypatch.setattr(similarity, "normalise", lambda line, defined, attributes="": [t.string for t in line.tokens])
     similarity.fsdp2_code.cache_clear()
     try:
-        m = score(check(batch_files[:3]), "reference.py", "renamed.py")
+        as_written = score(check(batch_files[:3]), "reference.py", "renamed.py")
     finally:
         similarity.fsdp2_code.cache_clear()
-    assert not m.flagged, m
+    assert normalised.score > 0.9 and as_written.score < 0.6, (normalised, as_written)
 
 
 def test_the_reference_is_all_own_code_and_only_that():
