@@ -4,8 +4,8 @@
     uv run python -m harness.tools.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
 
 Each row also says how close the submission's own code comes to FSDP2's source or to another
-submission of the folder (`similar_to`, `similarity`, `similar_lines`, `flagged`: harness.tools.similarity), and
-similarity.md beside the CSV shows the closest pairs side by side.
+submission of the folder (`similar_to`, `similarity`, `similar_lines`, `flagged`: see
+harness.tools.similarity), and similarity.md beside the CSV shows the closest pairs side by side.
 
 Each submission runs `pytest test.py --impl FILE` in its own process group with a time limit, so
 one that hangs or crashes costs only its own row.
