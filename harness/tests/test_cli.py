@@ -26,6 +26,7 @@ TOOLS = {
     "harness.tools.init_memory": True,
     "harness.tools.pictures": False,
     "harness.tools.report": True,
+    "harness.tools.similarity": False,  # a folder of submissions, as grade
 }
 # names the shared flags replaced: each must not come back
 RETIRED = {"--output", "--world"}

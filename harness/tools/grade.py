@@ -3,6 +3,10 @@
     uv run python -m harness.tools.grade submissions/ --out points.csv
     uv run python -m harness.tools.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
 
+Each row also says how close the submission's own code comes to FSDP2's source or to another
+submission of the folder (`similar_to`, `similarity`, `similar_lines`, `flagged`: see
+harness.tools.similarity), and similarity.md beside the CSV shows the closest pairs side by side.
+
 Each submission runs `pytest test.py --impl FILE` in its own process group with a time limit, so
 one that hangs or crashes costs only its own row. Its pictures (`pytest --artifacts`: overlap.png,
 memory.png, pictures.txt saying what could not be drawn) go to `<CSV stem>-pictures/<submission
@@ -28,6 +32,7 @@ import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
+from harness.tools import similarity
 from harness.tools.points import LINES
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/grade.py
@@ -45,6 +50,8 @@ class Args:
     pictures: Path | None = None
     """folder for each submission's pictures, DIR/<submission stem>/ (default: <CSV stem>-pictures
     beside --out; none when the CSV goes to stdout)."""
+    similarity_page: Path | None = None
+    """markdown page of the closest pairs (default: similarity.md beside --out; none on stdout)."""
     timeout: float = 1200
     """seconds per submission: one that takes longer (hung?) gets no points."""
     pytest_args: tyro.conf.Suppress[tuple[str, ...]] = ()
@@ -113,17 +120,22 @@ def main(args: Args) -> None:
         files = [args.submissions]
     else:
         stop(f"{args.submissions} is not a .py file: give a .py submission or a folder of them", BAD_INPUT)
-    fields = ["submission", *(line.name for line in LINES), "total", "failures"]
+    fields = ["submission", *(line.name for line in LINES), "total", "failures", *similarity.COLUMNS]
     out = open(args.out, "w", newline="") if args.out else sys.stdout
     writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()
     pictures = args.pictures or (args.out.parent / f"{args.out.stem}-pictures" if args.out else None)
+    similar = similarity.check(files)  # seconds, no test run: each row gets its columns as it is written
     for path in files:
         print(f"grading {path}", file=sys.stderr, flush=True)
-        writer.writerow(grade(path, args.timeout, list(args.pytest_args), pictures and pictures / path.stem))
+        row = grade(path, args.timeout, list(args.pytest_args), pictures and pictures / path.stem)
+        writer.writerow(row | similar.columns(path.name))
         out.flush()
     if out is not sys.stdout:
         out.close()
+    if page := args.similarity_page or (args.out and args.out.with_name("similarity.md")):
+        page.write_text(similarity.page(similar, files))
+        print(f"wrote {page}", file=sys.stderr)
 
 
 def cli(argv: list[str] | None = None) -> None:
