@@ -121,6 +121,8 @@ def main(args: Args) -> None:
     else:
         stop(f"{args.submissions} is not a .py file: give a .py submission or a folder of them", BAD_INPUT)
     fields = ["submission", *(line.name for line in LINES), "total", "failures", *similarity.COLUMNS]
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     out = open(args.out, "w", newline="") if args.out else sys.stdout
     writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()
