@@ -52,9 +52,10 @@ def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False):
         with RankPool(pool.world_size, device=pool.device) as ranks:
             return run(ranks, job, *args)
 
-    if pool.device != "cpu":  # see fsdp2_cache: CPU runs only
-        return compute()
     cfg = next((a for a in args if isinstance(a, train.Config)), None)
+    if pool.device != "cpu" or (cfg and cfg.profile_steps and (cfg.traces_dir is None or (
+            cfg.profile_memory and cfg.snapshots_dir is None))):
+        return compute()  # CPU runs only (see fsdp2_cache), and outputs only into folders named here
     outputs = {"traces": cfg.traces_dir, "snapshots": cfg.snapshots_dir} if cfg and cfg.profile_steps else {}
     kind = job.__name__.removesuffix("_job").replace("_", "-") + ("-fresh" if fresh else "")
     parts = fsdp2_cache.case(job, args, pool.world_size, pool.device, pool.threads)
