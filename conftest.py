@@ -17,10 +17,18 @@ def pytest_addoption(parser):
     parser.addoption("--artifacts", default=None, metavar="DIR",
                      help="keep tasks 2 and 3's profiled traces in DIR/profiles and each memory check's peaks in "
                           "DIR/memory.json, and draw DIR/overlap.png and DIR/memory.png at the end")
+    parser.addoption("--fsdp2-cache", choices=("on", "off", "refresh"), default=None,
+                     help="FSDP2's side of each check from harness/tools/fsdp2_cache.py: on (the default, or "
+                          "the FSDP2_CACHE environment variable), off (always train FSDP2), refresh (train and store)")
 
 
 def pytest_configure(config):
+    import os
+
     from harness.tools.points import MARKERS
+
+    if cache := config.getoption("--fsdp2-cache"):
+        os.environ["FSDP2_CACHE"] = cache  # read where FSDP2's results are looked up, in this process
 
     for name, what in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")

@@ -147,6 +147,6 @@ def test_readme_table_is_the_layout():
     for folder, modules in (("harness/", runtime), ("harness/tools/", tools)):
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{folder}` |")), None)
         assert row, f"README has no row for {folder}"
-        named = set(re.findall(r"`([a-z_]+)`", row.split("|")[2]))
+        named = set(re.findall(r"`([a-z_][a-z0-9_]*)`", row.split("|")[2]))
         actual = {m.rsplit(".", 1)[1] for m in modules}
         assert named == actual, f"README's {folder} row: missing {sorted(actual - named)}, extra {sorted(named - actual)}"

@@ -1,7 +1,8 @@
 """The checks behind test.py, as plain functions over a RankPool.
 
 Each `check_*` runs FSDP2 and a hand-written FSDP (`impl`: student or a .py path) in the same
-spawned process group (the rank jobs: jobs.py), compares what they did (compare.py) by the
+spawned process group (the rank jobs: jobs.py; FSDP2's side from fsdp2_cache when the same
+run was made before: `run_fsdp2`), compares what they did (compare.py) by the
 course's rules (policy.py), and raises AssertionError saying exactly what differs. Every check
 has been run against deliberately broken variants of a correct FSDP and fails there
 (the instructors' mutant tests).
@@ -14,7 +15,7 @@ import dataclasses
 import torch
 
 import train
-from harness.tools import handwritten
+from harness.tools import fsdp2_cache, handwritten
 from harness.tools.analysis import RunStats, analyze_run
 from harness.tools.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
                                    tensor_difference, ulps)
@@ -39,10 +40,32 @@ def run(pool: RankPool, fn, *args):
         raise type(e)(where + str(e)) from None
 
 
+def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False):
+    """FSDP2's side of a comparison, `run(pool, job, *args)` (fresh: on fresh ranks like the pool's),
+    or what the same run gave before (fsdp2_cache, keyed by everything it depends on). A profiled
+    run's traces (and snapshots) are written to its folders either way."""
+    __tracebackhide__ = True
+
+    def compute():
+        if not fresh:
+            return run(pool, job, *args)
+        with RankPool(pool.world_size, device=pool.device) as ranks:
+            return run(ranks, job, *args)
+
+    cfg = next((a for a in args if isinstance(a, train.Config)), None)
+    if pool.device != "cpu" or (cfg and cfg.profile_steps and (cfg.traces_dir is None or (
+            cfg.profile_memory and cfg.snapshots_dir is None))):
+        return compute()  # CPU runs only (see fsdp2_cache), and outputs only into folders named here
+    outputs = {"traces": cfg.traces_dir, "snapshots": cfg.snapshots_dir} if cfg and cfg.profile_steps else {}
+    kind = job.__name__.removesuffix("_job").replace("_", "-") + ("-fresh" if fresh else "")
+    parts = fsdp2_cache.case(job, args, pool.world_size, pool.device, pool.threads)
+    return fsdp2_cache.get(kind, parts, compute, outputs)
+
+
 def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[Run]]:
     """FSDP2's and the hand-written FSDP's runs of `job`; fails at once if the latter is FSDP2."""
     __tracebackhide__ = True
-    ref = run(pool, job, as_fsdp2(cfg))
+    ref = run_fsdp2(pool, job, as_fsdp2(cfg))
     got = run(pool, job, cfg)
     for rank, r in enumerate(got):
         if r.fsdp2:
@@ -104,7 +127,7 @@ def check_odd_shapes(pool: RankPool, impl: str) -> str:
     """Rows that do not divide by the world size, and empty shards: every parameter and gradient,
     after every step, equal to FSDP2's. Returns the evidence."""
     __tracebackhide__ = True
-    ref = run(pool, odd_shapes_job, None)[0]
+    ref = run_fsdp2(pool, odd_shapes_job, None)[0]
     got = run(pool, odd_shapes_job, impl)[0]
     for name, values in ref.items():
         if name not in got:
@@ -137,14 +160,14 @@ def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
     FSDP2's, and no growth.
 
     Each run gets fresh ranks forked from the same preloaded image, so absolute numbers compare
-    (in a long-lived process, what earlier jobs left behind shifts them)."""
+    (in a long-lived process, what earlier jobs left behind shifts them); FSDP2's, measured so once,
+    comes from fsdp2_cache while its key holds."""
     __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
     what = describe(cfg, pool.world_size)
-    runs = {}
-    for name, c in (("FSDP2", as_fsdp2(cfg)), ("hand-written", cfg)):
-        with RankPool(pool.world_size, device=pool.device) as fresh:
-            runs[name] = run(fresh, memory_job, c)
+    runs = {"FSDP2": run_fsdp2(pool, memory_job, as_fsdp2(cfg), fresh=True)}
+    with RankPool(pool.world_size, device=pool.device) as fresh:
+        runs["hand-written"] = run(fresh, memory_job, cfg)
     if memory_seen is not None:
         memory_seen(what + "".join(f", {k}={v}" for k, v in overrides.items()), runs)
     mib = lambda n: f"{n / 2**20:.2f} MiB"
@@ -200,7 +223,8 @@ def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, mem
     for name, cfg in (("fsdp2", as_fsdp2(cfg_effdl)), ("effdl", cfg_effdl)):
         cfg = dataclasses.replace(cfg, traces_dir=folder / name / "traces", profile_memory=memory,
                                   snapshots_dir=folder / name / "snapshots" if memory else None)
-        results[name] = run(pool, train_job, cfg, False)  # unobserved: the trace as the program runs
+        # unobserved: the trace as the program runs
+        results[name] = (run_fsdp2 if name == "fsdp2" else run)(pool, train_job, cfg, False)
         stats[name] = analyze_run(cfg.traces_dir)
     return Profiles(what, stats["fsdp2"], stats["effdl"]), results
 

@@ -59,6 +59,12 @@ def start_forkserver() -> None:
     forkserver.ensure_running()
 
 
+def rank_threads(world_size: int) -> int:
+    """Intra-op threads of each CPU rank: the cores shared out (how a reduction splits its work, and so
+    its rounding, can depend on it)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 class RankError(RuntimeError):
     """A job raised on some rank."""
 
@@ -99,7 +105,7 @@ class RankPool:
             ctx.set_forkserver_preload(preload)
         self.world_size = world_size
         self.device = device
-        threads = max(1, (os.cpu_count() or 1) // world_size)
+        self.threads = threads = rank_threads(world_size)
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = free_port()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tools import checks
+from harness.tools import checks, fsdp2_cache
 from harness.tools.ranks import RankError
 from solution import make_skeleton
 from solution.tests import conformance
@@ -80,6 +80,27 @@ def test_predivide_is_invisible_at_world_2(mutant, pool2):
 def test_memory_check_fails(mutant, pool2, name, message):
     with pytest.raises(AssertionError, match=message):
         checks.check_memory(pool2, mutant(name), "float32", "float32")
+
+
+@pytest.mark.parametrize("name, check, message", [
+    ("predivide", lambda pool3, pool2, impl, folder: checks.check_step(pool3, impl, "float32", "float32"),
+     "differs"),
+    ("no-reshard-after-forward", lambda pool3, pool2, impl, folder: checks.check_memory(pool2, impl, "float32", "float32"),
+     "peak memory per step"),
+    ("wait-prefetch-at-once", lambda pool3, pool2, impl, folder: checks.assert_overlap(
+        checks.profile_both(pool2, impl, folder), "forward"), "not overlapped"),
+])
+def test_checks_fail_with_fsdp2_from_the_cache(mutant, pool2, pool3, tmp_path, monkeypatch, name, check, message):
+    """FSDP2's side from a warm cache (fsdp2_cache) never turns a failing check into a pass."""
+    monkeypatch.setenv("FSDP2_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FSDP2_CACHE", "on")
+    trained, get = [], fsdp2_cache.get
+    monkeypatch.setattr(fsdp2_cache, "get", lambda kind, parts, compute, outputs=None: get(
+        kind, parts, lambda: trained.append(kind) or compute(), outputs))
+    for run in ("cold", "warm"):
+        with pytest.raises(AssertionError, match=message):
+            check(pool3, pool2, mutant(name), tmp_path / run)
+    assert len(trained) == 1, f"FSDP2 trained {trained}: the second run was not served from the cache"
 
 
 def test_step_check_finds_blocks_kept_gathered_after_forward(mutant, pool2):
