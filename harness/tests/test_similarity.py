@@ -194,7 +194,7 @@ def test_grade_adds_the_columns_and_the_page(tmp_path, monkeypatch):
     a = fsdp2_pasted(folder, "a.py")
     (folder / "b.py").write_text(rename(a.read_text(), keep=similarity.defined_names(SKELETON.read_text())))
     (folder / "skeleton.py").write_text(SKELETON.read_text())
-    monkeypatch.setattr(grade, "grade", lambda path, timeout, pytest_args: {"submission": str(path), "total": 0})
+    monkeypatch.setattr(grade, "grade", lambda path, timeout, pytest_args, artifacts=None: {"submission": str(path), "total": 0})
     grade.cli([str(folder), "--out", str(tmp_path / "points.csv")])
     rows = {r["submission"].rsplit("/", 1)[-1]: r for r in csv.DictReader((tmp_path / "points.csv").open())}
     assert rows["a.py"]["flagged"] == rows["b.py"]["flagged"] == "yes", rows
