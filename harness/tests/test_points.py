@@ -111,3 +111,21 @@ def test_readme_table_is_the_points_table():
         for test in line.tests:
             assert f"`{test}[" in tests or f"`{test}`" in tests, (line.name, test, tests)
     assert f"total           {points.TOTAL} / {points.TOTAL}" in readme
+
+
+def test_earned_exits_zero_only_for_a_line_earned_in_full(tmp_path, capsys):
+    """`python -m harness.tools.points --earned LINE FILE`: what each GitHub Classroom grader step runs."""
+    rows, _ = table(tmp_path)
+    out = str(tmp_path / "points.json")
+    points.cli(["--earned", "task 1 forward", out])  # earned: returns, exit 0
+    assert "task 1 forward: 3 / 3   2 cases pass" in capsys.readouterr().out
+    for line, code, said in [("task 2", 1, "task 2: 0 / 2   1 of 1 cases fail: forward all-gathers 0 % hidden"),
+                             ("task 3", 1, "task 3: - / 2   not run"),
+                             ("task 4", 2, "is no line of the points table: give one of 'task 1 forward'")]:
+        with pytest.raises(SystemExit) as e:
+            points.cli(["--earned", line, out])
+        captured = capsys.readouterr()
+        assert e.value.code == code and said in captured.out + captured.err, (line, captured)
+    with pytest.raises(SystemExit) as e:
+        points.cli(["--earned", "task 1 forward", str(tmp_path / "missing.json")])
+    assert e.value.code == 1 and "stopped before writing the points table" in capsys.readouterr().err

@@ -44,8 +44,9 @@ class Args:
 
 
 def grade(path: Path, timeout: float, pytest_args: list[str]) -> dict:
-    """One submission's row: points per task, total, and what failed, in one line."""
-    row = {"submission": str(path), **{line.name: 0 for line in LINES}, "total": 0, "failures": ""}
+    """One submission's row: points per task, total, and what failed, in one line; also "rows",
+    the points table's rows (task, earned, max, evidence), or None when pytest wrote no table."""
+    row = {"submission": str(path), **{line.name: 0 for line in LINES}, "total": 0, "failures": "", "rows": None}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "points.json"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "test.py"),
@@ -63,7 +64,7 @@ def grade(path: Path, timeout: float, pytest_args: list[str]) -> dict:
             tail = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
             row["failures"] = f"pytest exited {proc.returncode} before the points table: {tail[0][:200]}"
             return row
-        rows = json.loads(out.read_text())["rows"]
+        rows = row["rows"] = json.loads(out.read_text())["rows"]
     for r in rows:
         row[r["task"]] = r["earned"] or 0
     row["total"] = sum(r["earned"] or 0 for r in rows)
@@ -84,7 +85,7 @@ def main(args: Args) -> None:
         stop(f"{args.submissions} is not a .py file: give a .py submission or a folder of them", BAD_INPUT)
     fields = ["submission", *(line.name for line in LINES), "total", "failures"]
     out = open(args.out, "w", newline="") if args.out else sys.stdout
-    writer = csv.DictWriter(out, fieldnames=fields)
+    writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")  # "rows": the table, not a column
     writer.writeheader()
     for path in files:
         print(f"grading {path}", file=sys.stderr, flush=True)
