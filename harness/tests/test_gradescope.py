@@ -1,5 +1,6 @@
 """harness.tools.gradescope: results.json as Gradescope reads it, whatever the submission (or the tool)
-does. These run no tests; solution/tests/test_gradescope.py grades real files through the bundle."""
+does. These run no graded tests (grade() is replaced); the instructors' tests grade real files
+through the whole bundle."""
 
 from __future__ import annotations
 
