@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import uuid
 import zipfile
 from pathlib import Path
@@ -104,6 +105,9 @@ def autograde(root: Path, files: dict[str, str], *args: str, timeout: float = 24
     proc = subprocess.run([str(root / "run_autograder"), *args], cwd=root, capture_output=True, text=True,
                           timeout=timeout, env={**env, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_TEST_RUN": marker})
     assert proc.returncode == 0, show(proc)
+    deadline = time.monotonic() + 15  # a forkserver leaves within moments of the pytest that started it
+    while left_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert not left_running(marker), f"processes left running: {left_running(marker)}"
     doc = json.loads((root / "results" / "results.json").read_text())
     assert_gradescope_format(doc)
@@ -169,3 +173,14 @@ def test_reference_scores_everything(autograder):
     assert doc["score"] == TOTAL, doc["output"]
     assert [t["score"] for t in doc["tests"][:len(LINES)]] == [line.points for line in LINES], doc["tests"]
     assert f"score {TOTAL} / {TOTAL}" in stdout, stdout
+
+
+def test_left_running_sees_a_process():
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(["sleep", "60"], env={**os.environ, "AUTOGRADER_TEST_RUN": marker})
+    try:
+        assert left_running(marker), "a process carrying the marker was not seen"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not left_running(marker)

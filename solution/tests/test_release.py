@@ -136,3 +136,6 @@ def test_release_command_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "solution.release", "--out", str(ROOT)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "is not empty" in proc.stderr and "Traceback" not in proc.stderr, show(proc)
+    proc = subprocess.run([sys.executable, "-m", "solution.release", "gradescope", "--out", str(tmp_path / "bundle.tar")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not end in .zip" in proc.stderr and "Traceback" not in proc.stderr, show(proc)
