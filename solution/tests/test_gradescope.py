@@ -184,3 +184,11 @@ def test_left_running_sees_a_process():
         proc.kill()
         proc.wait()
     assert not left_running(marker)
+
+
+def test_run_autograder_writes_a_result_when_the_tool_cannot_start(tmp_path):
+    """No environment where the bundle should be (setup.sh never ran): still a results.json, 0 points."""
+    proc = subprocess.run([str(release.GRADESCOPE / "run_autograder")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "AUTOGRADER_ROOT": str(tmp_path)})
+    doc = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert doc["score"] == 0 and "the autograder could not start (exit 1)" in doc["output"], (doc, show(proc))
