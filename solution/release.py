@@ -1,6 +1,7 @@
 """Write the student repository: everything tracked here except what students must not have.
 
-    uv run python -m solution.release --out DEST      # DEST: a new (or empty) folder
+    uv run python -m solution.release --out DEST                   # DEST: a new (or empty) folder
+    uv run python -m solution.release gradescope --out DEST.zip    # Gradescope's autograder bundle
 
 DEST becomes a git repository with one commit holding the tracked files of this checkout as
 they are in the working tree, except:
@@ -10,14 +11,23 @@ they are in the working tree, except:
 uv.lock is copied byte for byte, so students install exactly what the tests here ran on.
 The release refuses to run when fsdp.py is not what the generator makes from the reference,
 and fails if anything it wrote still names solution/.
+
+The Gradescope bundle is that repository (without .git) in repository/, with setup.sh and
+run_autograder (solution/gradescope/) at the zip's root: Gradescope unpacks it into
+/autograder/source, runs setup.sh once to build the image and run_autograder per submission.
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
@@ -32,6 +42,8 @@ PYPROJECT_EDITS = [
     ('testpaths = ["test.py", "harness/tests", "solution/tests"]', 'testpaths = ["test.py", "harness/tests"]'),
 ]
 MENTIONS = re.compile(r"solution[/.]|make_skeleton|<!-- /?instructors -->")
+GRADESCOPE = ROOT / "solution" / "gradescope"  # setup.sh and run_autograder
+BUNDLE_REPOSITORY = "repository"  # the student repository's folder in the Gradescope bundle
 
 
 class ReleaseError(RuntimeError):
@@ -92,24 +104,56 @@ def release(dest: Path) -> list[str]:
     return files
 
 
+def gradescope(dest: Path) -> list[str]:
+    """Write Gradescope's autograder bundle to DEST (a new .zip); return the names in it: setup.sh
+    and run_autograder at its root, the student repository as release() writes it (without .git)
+    under BUNDLE_REPOSITORY/. Each file keeps its mode (run_autograder must be executable)."""
+    if dest.suffix != ".zip":
+        raise ReleaseError(f"{dest} does not end in .zip: give the bundle's file name, e.g. --out autograder.zip")
+    if dest.exists():
+        raise ReleaseError(f"{dest} exists already: remove it, or give a new file name")
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / BUNDLE_REPOSITORY
+        release(repo)
+        entries = [(GRADESCOPE / name, name) for name in ("setup.sh", "run_autograder")]
+        entries += [(p, f"{BUNDLE_REPOSITORY}/{p.relative_to(repo).as_posix()}") for p in sorted(repo.rglob("*"))
+                    if p.is_file() and ".git" not in p.relative_to(repo).parts]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.with_name(dest.name + ".partial")
+        with zipfile.ZipFile(partial, "w") as z:
+            for path, name in entries:
+                info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # the same bytes every build
+                info.external_attr = (0o100000 | path.stat().st_mode & 0o777) << 16  # a regular file, its mode
+                info.compress_type = zipfile.ZIP_DEFLATED
+                z.writestr(info, path.read_bytes())
+        partial.replace(dest)
+    return [name for _, name in entries]
+
+
 @dataclass(frozen=True)
 class Args:
     """Write the student repository: everything tracked here except what students must not have
-    (solution/, the instructor settings and README section), as a new git repository."""
+    (solution/, the instructor settings and README section), as a new git repository; or, with
+    `gradescope`, Gradescope's autograder bundle holding it."""
 
-    out: Path
-    """a new or empty folder for the student repository."""
+    what: Annotated[Literal["repo", "gradescope"], tyro.conf.Positional] = "repo"
+    """repo: the student repository (a folder); gradescope: the autograder bundle (a .zip)."""
+    out: Path = tyro.MISSING
+    """a new or empty folder for the student repository; for gradescope, a new .zip file."""
 
 
 def main(args: Args) -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            capture_output=True, text=True).stdout
+    note = " (from uncommitted changes too: `git status` lists them)" if dirty else ""
     try:
-        files = release(args.out)
+        files = gradescope(args.out) if args.what == "gradescope" else release(args.out)
     except ReleaseError as e:
         stop(str(e), BAD_INPUT)
-    note = " (from uncommitted changes too: `git status` lists them)" if dirty else ""
-    print(f"wrote {len(files)} files to {args.out}{note}; try it: cd {args.out} && uv sync --frozen && uv run pytest")
+    if args.what == "gradescope":
+        print(f"wrote {args.out} ({len(files)} files){note}: upload it as the assignment's autograder on Gradescope")
+    else:
+        print(f"wrote {len(files)} files to {args.out}{note}; try it: cd {args.out} && uv sync --frozen && uv run pytest")
 
 
 def cli(argv: list[str] | None = None) -> None:

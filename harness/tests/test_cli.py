@@ -23,6 +23,8 @@ TOOLS = {
     "harness.tools.benchmark": True,
     "harness.tools.grade": False,  # its submissions are many files: a positional folder, not --impl
     "harness.tools.handin": True,
+    "harness.tools.gradescope": False,  # Gradescope's submission: a fixed place, not --impl
+    "harness.tools.points": False,  # a points table already written, not a file under test
     "harness.tools.init_memory": True,
     "harness.tools.pictures": False,
     "harness.tools.report": True,

@@ -32,9 +32,9 @@ def test_bonus1():
 '''
 
 
-def table(tmp_path: Path, *args: str) -> dict:
+def table(tmp_path: Path, *args: str, source: str = FAKE_TEST) -> dict:
     shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test.py").write_text(FAKE_TEST)
+    (tmp_path / "test.py").write_text(source)
     out = tmp_path / "points.json"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test.py",
                            "--points-json", str(out), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
@@ -111,3 +111,31 @@ def test_readme_table_is_the_points_table():
         for test in line.tests:
             assert f"`{test}[" in tests or f"`{test}`" in tests, (line.name, test, tests)
     assert f"total           {points.TOTAL} / {points.TOTAL}" in readme
+
+
+def test_earned_exits_zero_only_for_a_line_earned_in_full(tmp_path, capsys):
+    """`python -m harness.tools.points --earned LINE FILE`: what each GitHub Classroom grader step runs."""
+    rows, _ = table(tmp_path)
+    out = str(tmp_path / "points.json")
+    points.cli(["--earned", "task 1 forward", out])  # earned: returns, exit 0
+    assert "task 1 forward: 3 / 3   2 cases pass" in capsys.readouterr().out
+    for line, code, said in [("task 2", 1, "task 2: 0 / 2   1 of 1 cases fail: forward all-gathers 0 % hidden"),
+                             ("task 3", 1, "task 3: - / 2   not run"),
+                             ("task 4", 2, "is no line of the points table: give one of 'task 1 forward'")]:
+        with pytest.raises(SystemExit) as e:
+            points.cli(["--earned", line, out])
+        captured = capsys.readouterr()
+        assert e.value.code == code and said in captured.out + captured.err, (line, captured)
+    with pytest.raises(SystemExit) as e:
+        points.cli(["--earned", "task 1 forward", str(tmp_path / "missing.json")])
+    assert e.value.code == 1 and "stopped before writing the points table" in capsys.readouterr().err
+
+
+def test_a_stop_at_a_todo_is_named(tmp_path):
+    """The skeleton fails on its ranks: the line's evidence is the TODO it stopped at (deep in the
+    rank's traceback), not the error's first line."""
+    source = FAKE_TEST.replace('assert False, "forward all-gathers 0 % hidden"',
+                               'raise RuntimeError("forward_job failed on rank(s) [0, 1]; traceback of rank 0:\\n'
+                               '  File fsdp.py, line 9\\nfsdp.TodoError: TODO(task1): all-gather the shards")')
+    rows, _ = table(tmp_path, source=source)
+    assert rows["task 2"]["evidence"] == "1 of 1 cases fail: stopped at TODO(task1): all-gather the shards", rows

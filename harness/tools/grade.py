@@ -77,10 +77,11 @@ def pictures_only(artifacts: Path | None):
 
 
 def grade(path: Path, timeout: float, pytest_args: list[str], artifacts: Path | None = None) -> dict:
-    """One submission's row: points per task, total, and what failed, in one line. With `artifacts`,
+    """One submission's row: points per task, total, and what failed, in one line; also "rows", the
+    points table's rows (task, earned, max, evidence), or None when pytest wrote no table. With `artifacts`,
     pytest draws overlap.png and memory.png there (pictures.txt says what it could not draw); the
     profiled traces they were drawn from are removed (about 50 MB a submission)."""
-    row = {"submission": str(path), **{line.name: 0 for line in LINES}, "total": 0, "failures": ""}
+    row = {"submission": str(path), **{line.name: 0 for line in LINES}, "total": 0, "failures": "", "rows": None}
     artifacts = Path(artifacts).resolve() if artifacts is not None else None
     with tempfile.TemporaryDirectory() as tmp, pictures_only(artifacts):
         out = Path(tmp) / "points.json"
@@ -101,7 +102,7 @@ def grade(path: Path, timeout: float, pytest_args: list[str], artifacts: Path | 
             tail = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
             row["failures"] = f"pytest exited {proc.returncode} before the points table: {tail[0][:200]}"
             return row
-        rows = json.loads(out.read_text())["rows"]
+        rows = row["rows"] = json.loads(out.read_text())["rows"]
     for r in rows:
         row[r["task"]] = r["earned"] or 0
     row["total"] = sum(r["earned"] or 0 for r in rows)
@@ -124,7 +125,7 @@ def main(args: Args) -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     out = open(args.out, "w", newline="") if args.out else sys.stdout
-    writer = csv.DictWriter(out, fieldnames=fields)
+    writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")  # "rows": the table, not a column
     writer.writeheader()
     pictures = args.pictures or (args.out.parent / f"{args.out.stem}-pictures" if args.out else None)
     similar = similarity.check(files)  # seconds, no test run: each row gets its columns as it is written

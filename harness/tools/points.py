@@ -5,11 +5,24 @@ conftest.py prints it at the end of every run of test.py (and writes it with --p
 the README's table in step with it. A line earns its points only when every case of its tests
 ran and passed; a failure costs the whole line; a line whose cases did not all run, or skipped,
 is not graded (None), and the total counts only graded lines.
+
+    uv run python -m harness.tools.points --earned "task 1 forward" points.json
+
+exits 0 when that line was earned in full in a table pytest wrote (`pytest test.py
+--points-json=points.json`), 1 when not: the GitHub Classroom workflow grades each line so.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import tyro
+
+from harness.cli import parse
+from harness.errors import BAD_INPUT, FAILED, stop
 
 
 @dataclass(frozen=True)
@@ -75,3 +88,43 @@ def render(rows: list[dict]) -> list[str]:
     if len(graded) < len(rows):
         total += f" (of the lines graded; all: {sum(r['max'] for r in rows)})"
     return out + [total]
+
+
+@dataclass(frozen=True)
+class Args:
+    """Exit 0 when one line of the points table was earned in full, 1 when not (saying why)."""
+
+    points_json: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="POINTS_JSON")]
+    """the table as `pytest test.py --points-json=FILE` wrote it."""
+    earned: str
+    """the line's name, e.g. "task 1 forward"."""
+
+
+def earned(rows: list[dict], name: str) -> tuple[bool, str]:
+    """Whether line NAME earned all its points in a written table, and its row as one line."""
+    row = next((r for r in rows if r["task"] == name), None)
+    if row is None:
+        raise KeyError(name)
+    got = "-" if row["earned"] is None else row["earned"]
+    return row["earned"] == row["max"], f"{name}: {got} / {row['max']}   {row['evidence']}"
+
+
+def main(args: Args) -> None:
+    if args.earned not in {line.name for line in LINES}:
+        stop(f"--earned {args.earned!r} is no line of the points table: give one of "
+             + ", ".join(repr(line.name) for line in LINES), BAD_INPUT)
+    if not args.points_json.exists():
+        stop(f"{args.points_json} is missing: the graded tests stopped before writing the points table "
+             "(their own output says why)")
+    ok, text = earned(json.loads(args.points_json.read_text())["rows"], args.earned)
+    print(text)
+    if not ok:
+        raise SystemExit(FAILED)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    main(parse(Args, argv, prog="python -m harness.tools.points"))
+
+
+if __name__ == "__main__":
+    cli()

@@ -13,9 +13,10 @@ import pytest
 
 from solution import release
 from solution.release import ReleaseError
+from solution.tests import test_classroom as classroom
 
 ROOT = release.ROOT
-STUDENT_TOP_LEVEL = {".ci", ".gitignore", ".python-version", ".vscode", "README.md", "conftest.py", "fsdp.py",
+STUDENT_TOP_LEVEL = {".ci", ".github", ".gitignore", ".python-version", ".vscode", "README.md", "conftest.py", "fsdp.py",
                      "harness", "pyproject.toml", "snapshots", "test.py", "traces", "train.py", "uv.lock"}
 
 
@@ -31,6 +32,18 @@ def run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProces
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"`{' '.join(cmd)}` in {cwd} did not finish within {timeout:.0f} s:\n{(e.stdout or '')[-3000:]}")
+
+
+def shell(command: str, cwd: Path, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
+    """A workflow step's command as its runner would run it: in a shell, with uv on PATH (here the
+    uv that started us: CI installs none twice), and ENV added."""
+    path = f"{Path(uv()[0]).parent}{os.pathsep}{os.environ['PATH']}" if len(uv()) == 1 else os.environ["PATH"]
+    base = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTEST_ADDOPTS", "PYTHONPATH")}
+    try:
+        return subprocess.run(["bash", "-c", command], cwd=cwd, env={**base, "PATH": path, **env}, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"`{command}` in {cwd} did not finish within {timeout:.0f} s:\n{(e.stdout or '')[-3000:]}")
 
 
 def show(proc: subprocess.CompletedProcess) -> str:
@@ -78,12 +91,23 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     assert "TODO(task1)" in skeleton.stdout, f"the first failure should be task 1's TODO\n{show(skeleton)}"
 
     shutil.copy(ROOT / "solution" / "fsdp.py", student_repo / "fsdp.py")
+    # The GitHub Classroom workflow's commands, as its steps run them: its install and graded-tests
+    # steps (only task 1's forward here: PYTEST_ADDOPTS narrows them), then each grader step's command.
+    doc = classroom.workflow(student_repo / ".github" / "workflows" / "classroom.yml")
+    classroom.check(doc)
+    for step in classroom.steps(doc):
+        if "run" in step:
+            graded = shell(step["run"], student_repo, PYTEST_ADDOPTS="-m task1 -k test_task1_forward")
+            assert graded.returncode == 0, show(graded)
     # not -q: the header names the file under test
-    graded = run([*verbose, "test.py", "-m", "task1", "-k", "forward"], student_repo, timeout=900)
-    assert graded.returncode == 0, show(graded)
     assert f"hand-written FSDP under test: {student_repo / 'fsdp.py'}" in graded.stdout, show(graded)
     assert re.search(r"^task 1 forward +3 / 3 +10 cases pass", graded.stdout, re.M), show(graded)
     assert re.search(r"^total +3 / 3 \(of the lines graded; all: 13\)$", graded.stdout, re.M), show(graded)
+    earned = {s["with"]["test-name"]: shell(s["with"]["command"], student_repo) for s in classroom.graders(doc)}
+    assert earned["task 1 forward"].returncode == 0, show(earned["task 1 forward"])
+    assert all(earned[name].returncode == 1 for name in earned if name != "task 1 forward"), \
+        {name: show(proc) for name, proc in earned.items()}
+    assert "task 2: - / 2   not run" in earned["task 2"].stdout, show(earned["task 2"])
 
 
 def test_release_refuses_a_folder_that_is_not_empty(tmp_path):
@@ -112,3 +136,6 @@ def test_release_command_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "solution.release", "--out", str(ROOT)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "is not empty" in proc.stderr and "Traceback" not in proc.stderr, show(proc)
+    proc = subprocess.run([sys.executable, "-m", "solution.release", "gradescope", "--out", str(tmp_path / "bundle.tar")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not end in .zip" in proc.stderr and "Traceback" not in proc.stderr, show(proc)

@@ -1,0 +1,194 @@
+"""The Gradescope bundle, end to end: built by the release command, unpacked fresh as Gradescope does
+(into ROOT/source, run_autograder copied to ROOT/run_autograder), set up by its own setup.sh, and
+run_autograder run on five submissions with ROOT redirected (AUTOGRADER_ROOT): the reference (13),
+the skeleton (0, its TODO named), a file that hangs (0, timed out, nothing left running), one that
+does not compile (0, its line named) and FSDP2 re-exported (0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+import zipfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.tests.test_gradescope import assert_gradescope_format
+from harness.tools.points import LINES, TOTAL
+from solution import make_skeleton, release
+from solution.release import ReleaseError
+from solution.tests.mutation import CHEATS
+from solution.tests.test_release import show, uv
+
+HANG = '''"""Hangs in fully_shard: the autograder must stop it."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MixedPrecisionPolicy:
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+def fully_shard(module, **kwargs):
+    while True:
+        pass
+'''
+SYNTAX_ERROR = "import torch\n\n\ndef fully_shard(module\n    return module\n"  # the error is on line 4
+
+
+def reference_only_lines() -> list[str]:
+    """Lines of the reference that the skeleton lacks (what a student must write), long enough to be
+    unmistakable: none may appear in any file of the bundle."""
+    skeleton = set(make_skeleton.skeleton(make_skeleton.SOLUTION.read_text()).splitlines())
+    return [line.strip() for line in make_skeleton.SOLUTION.read_text().splitlines()
+            if line not in skeleton and len(line.strip()) >= 40 and not line.strip().startswith("#")]
+
+
+def leaks(zip_path: Path) -> list[str]:
+    distinctive = reference_only_lines()
+    assert len(distinctive) > 20, "the reference and the skeleton should differ in many lines"
+    with zipfile.ZipFile(zip_path) as z:
+        return [f"{info.filename}: {line}" for info in z.infolist() for text in [z.read(info).decode(errors="replace")]
+                for line in distinctive if line in text]
+
+
+def unpack(zip_path: Path, dest: Path) -> None:
+    """As Gradescope unpacks the bundle: each file with the mode the zip stores."""
+    with zipfile.ZipFile(zip_path) as z:
+        for info in z.infolist():
+            z.extract(info, dest)
+            os.chmod(dest / info.filename, info.external_attr >> 16 & 0o777)
+
+
+@pytest.fixture(scope="module")
+def autograder(tmp_path_factory) -> Path:
+    """ROOT as Gradescope's image has it after setup.sh ran (uv is on PATH here, so it installs none)."""
+    tmp = tmp_path_factory.mktemp("gradescope")
+    bundle = tmp / "autograder.zip"
+    names = release.gradescope(bundle)
+    assert {"setup.sh", "run_autograder", "repository/test.py", "repository/uv.lock"} <= set(names), names
+    assert not [n for n in names if n.startswith("repository/solution/") or "/.git/" in n], names
+    assert not leaks(bundle), leaks(bundle)
+    root = tmp / "autograder"
+    unpack(bundle, root / "source")
+    assert os.access(root / "source" / "run_autograder", os.X_OK) and os.access(root / "source" / "setup.sh", os.X_OK)
+    env_path = f"{Path(uv()[0]).parent}{os.pathsep}{os.environ['PATH']}"
+    setup = subprocess.run(["bash", str(root / "source" / "setup.sh")], cwd=root, capture_output=True, text=True,
+                           timeout=900, env={**{k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
+                                             "PATH": env_path})
+    assert setup.returncode == 0, show(setup)
+    shutil.copy2(root / "source" / "run_autograder", root / "run_autograder")  # Gradescope copies it there
+    return root
+
+
+def autograde(root: Path, files: dict[str, str], *args: str, timeout: float = 2400) -> tuple[dict, str]:
+    """One submission: fresh submission/ and results/, run_autograder, its results.json; fails if any
+    process it started is still running after it returned."""
+    for folder in ("submission", "results"):
+        shutil.rmtree(root / folder, ignore_errors=True)
+        (root / folder).mkdir()
+    for name, text in files.items():
+        (root / "submission" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "submission" / name).write_text(text)
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTEST_ADDOPTS", "PYTHONPATH")}
+    proc = subprocess.run([str(root / "run_autograder"), *args], cwd=root, capture_output=True, text=True,
+                          timeout=timeout, env={**env, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_TEST_RUN": marker})
+    assert proc.returncode == 0, show(proc)
+    deadline = time.monotonic() + 15  # a forkserver leaves within moments of the pytest that started it
+    while left_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left_running(marker), f"processes left running: {left_running(marker)}"
+    doc = json.loads((root / "results" / "results.json").read_text())
+    assert_gradescope_format(doc)
+    return doc, proc.stdout
+
+
+def left_running(marker: str) -> list[str]:
+    """Processes whose environment carries MARKER (every process one run started inherits it)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.environ().get("AUTOGRADER_TEST_RUN") == marker:
+                found.append(f"{p.info['pid']}: {' '.join(p.info['cmdline'] or [])[:120]}")
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def test_bundle_refuses_a_name_that_is_not_a_new_zip(tmp_path):
+    with pytest.raises(ReleaseError, match=r"does not end in \.zip: give the bundle's file name"):
+        release.gradescope(tmp_path / "autograder")
+    (tmp_path / "old.zip").write_bytes(b"")
+    with pytest.raises(ReleaseError, match="exists already: remove it, or give a new file name"):
+        release.gradescope(tmp_path / "old.zip")
+    assert (tmp_path / "old.zip").read_bytes() == b""
+
+
+def test_leak_check_sees_the_reference(tmp_path):
+    """The check on the bundle finds the reference wherever it is put, under any name."""
+    with zipfile.ZipFile(tmp_path / "leaky.zip", "w") as z:
+        z.writestr("repository/notes.py", make_skeleton.SOLUTION.read_text())
+    assert leaks(tmp_path / "leaky.zip")
+
+
+def test_syntax_error_names_its_line(autograder):
+    doc, _ = autograde(autograder, {"fsdp.py": SYNTAX_ERROR})
+    assert doc["score"] == 0 and "fsdp.py line 4: SyntaxError:" in doc["output"], doc["output"]
+
+
+def test_fsdp2_reexport_scores_zero(autograder):
+    doc, _ = autograde(autograder, {"fsdp.py": CHEATS["reexport"]})
+    assert doc["score"] == 0, doc
+    assert all("uses PyTorch's FSDP2, not your own" in t["output"] for t in doc["tests"]), doc["tests"]
+
+
+def test_skeleton_scores_zero_at_its_todo(autograder):
+    """A zipped folder: the file one folder down."""
+    doc, _ = autograde(autograder, {"my-fsdp/fsdp.py": (release.ROOT / "fsdp.py").read_text()})
+    assert doc["score"] == 0, doc
+    assert all("TODO(task1)" in t["output"] for t in doc["tests"]), doc["tests"]
+
+
+def test_hang_times_out_and_leaves_nothing_running(autograder):
+    doc, _ = autograde(autograder, {"fsdp.py": HANG}, "--timeout", "60")
+    assert doc["score"] == 0 and doc["output"].startswith("timed out after 60 s"), doc["output"]
+    assert all("timed out" in t["output"] for t in doc["tests"]), doc["tests"]
+    assert 60 <= doc["execution_time"] < 200, doc["execution_time"]
+
+
+def test_reference_scores_everything(autograder):
+    """The whole graded suite (about 4 minutes on an idle 2-core CPU)."""
+    doc, stdout = autograde(autograder, {"fsdp.py": make_skeleton.SOLUTION.read_text()})
+    assert doc["score"] == TOTAL, doc["output"]
+    assert [t["score"] for t in doc["tests"][:len(LINES)]] == [line.points for line in LINES], doc["tests"]
+    assert f"score {TOTAL} / {TOTAL}" in stdout, stdout
+
+
+def test_left_running_sees_a_process():
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(["sleep", "60"], env={**os.environ, "AUTOGRADER_TEST_RUN": marker})
+    try:
+        assert left_running(marker), "a process carrying the marker was not seen"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not left_running(marker)
+
+
+def test_run_autograder_writes_a_result_when_the_tool_cannot_start(tmp_path):
+    """No environment where the bundle should be (setup.sh never ran): still a results.json, 0 points."""
+    proc = subprocess.run([str(release.GRADESCOPE / "run_autograder")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "AUTOGRADER_ROOT": str(tmp_path)})
+    doc = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert doc["score"] == 0 and "the autograder could not start (exit 1)" in doc["output"], (doc, show(proc))
