@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu with python3):
-# uv, the locked environment, and the data and tokenizer the tests train on. Nothing else is warmed:
-# every submission's run starts from this image as any student's machine would.
+# uv, the locked environment, the data and tokenizer the tests train on, and FSDP2's side of every
+# graded check (harness/tools/fsdp2_cache.py), which is the same for every submission.
 set -euo pipefail
 cd "$(dirname "$0")/repository"
 export PATH="/usr/local/bin:$HOME/.local/bin:$PATH"
@@ -13,3 +13,7 @@ if ! command -v uv >/dev/null 2>&1; then
 fi
 uv sync --frozen
 uv run --frozen python -m harness.assets
+# The skeleton's graded run trains FSDP2 in every case before stopping at its TODOs, so each
+# submission then trains only itself. The entries are keyed by the CPU, threads and versions among
+# the rest: where Gradescope runs submissions on other hardware than it built on, FSDP2 trains again.
+uv run --frozen pytest test.py -q -p no:cacheprovider 2>&1 | tail -n 1 || true

@@ -87,6 +87,8 @@ def autograder(tmp_path_factory) -> Path:
                            timeout=900, env={**{k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
                                              "PATH": env_path})
     assert setup.returncode == 0, show(setup)
+    # FSDP2's side of the graded checks is stored in the image, for every submission to share
+    assert list((root / "source" / "repository" / ".cache" / "fsdp2").glob("*.entry")), show(setup)
     shutil.copy2(root / "source" / "run_autograder", root / "run_autograder")  # Gradescope copies it there
     return root
 
