@@ -13,7 +13,7 @@ from harness import assets
 from harness.tools import checks, fsdp2_cache
 from harness.tools.analysis import analyze_run
 from harness.tools.jobs import forward_job, memory_job, odd_shapes_job, train_job
-from harness.tools.policy import as_fsdp2, config
+from harness.tools.policy import LATE_BUFFERS, as_fsdp2, config
 
 
 @pytest.fixture(autouse=True)
@@ -257,11 +257,12 @@ def test_memory_equals_a_fresh_pool(pool2, monkeypatch, computed):
     cfg = as_fsdp2(config("x", num_steps=3))
     off, cold, warm = three_ways(monkeypatch, computed, lambda: checks.run_fsdp2(pool2, memory_job, cfg, fresh=True))
     assert cold == warm
-    # What check_memory compares: the least peak of steps 2.. repeats to the byte between fresh pools
-    # (a single step may hold one more buffer gloo's thread is still releasing: policy.py).
+    # What check_memory compares: the least peak of steps 2.., which may differ between fresh pools by
+    # a buffer gloo's thread is still releasing in every step compared (LATE_BUFFERS, policy.py; seen
+    # on a loaded machine, 0.5 MiB over 2 steps), and the live tensors and block sizes, to the byte.
     for a, b in zip(off, cold):
-        assert (min(a.peaks[1:]), a.live[1:], a.block_reduce, a.block_largest) == \
-            (min(b.peaks[1:]), b.live[1:], b.block_reduce, b.block_largest)
+        assert abs(min(a.peaks[1:]) - min(b.peaks[1:])) <= LATE_BUFFERS * a.block_largest, (a.peaks, b.peaks)
+        assert (a.live[1:], a.block_reduce, a.block_largest) == (b.live[1:], b.block_reduce, b.block_largest)
 
 
 def test_profiled_run_restores_its_traces(pool2, monkeypatch, computed, tmp_path):

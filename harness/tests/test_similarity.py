@@ -122,19 +122,20 @@ def test_given_code_never_counts(tmp_path):
     raise_line = next(line for line in skeleton.splitlines() if "raise TodoError(\"TODO(task1): free the full parameter" in line)
     indent = raise_line[:len(raise_line) - len(raise_line.lstrip())]
     one = tmp_path / "one_todo.py"
-    one.write_text(skeleton.replace(raise_line, f"{indent}if self.gathered is not None:\n"
-                                                f"{indent}    self.gathered.untyped_storage().resize_(0)"))
+    # (two lines that are not the answer: this file is in the student repository)
+    one.write_text(skeleton.replace(raise_line, f"{indent}if self.unsharded is not None and self.unsharded.grad is not None:\n"
+                                                f"{indent}    self.unsharded.grad = None"))
     blocks = similarity.own_code(one.read_text(), skeleton)
     assert [[line.text for line in block] for block in blocks] == [
-        ["if self . gathered is not None :", "self . gathered . untyped_storage ( ) . resize_ ( 0 )"]]
+        ["if self . unsharded is not None and self . unsharded . grad is not None :", "self . unsharded . grad = None"]]
     files = [tmp_path / "skeleton.py", one]
     files[0].write_text(skeleton)
     batch = check(files)
     assert batch.columns("skeleton.py") == {"similar_to": "", "similarity": "0.00", "similar_lines": "", "flagged": "no"}
     assert score(batch, "skeleton.py", "one_todo.py").score == 0
-    # Two lines make two fingerprints; one idiom in them is FSDP2's too. MIN_SHARED is why that is no flag.
+    # Two lines make a few fingerprints: too few to flag anything (MIN_SHARED), whatever they match.
     m = score(batch, "one_todo.py", FSDP2)
-    assert len(similarity.submission_code(one, skeleton).fingerprints) <= 2 and not m.flagged, m
+    assert len(similarity.submission_code(one, skeleton).fingerprints) < similarity.MIN_SHARED and not m.flagged, m
 
 
 def test_winnowing_keeps_a_fingerprint_of_every_long_enough_run():

@@ -319,15 +319,6 @@ class Memory:
 def memory_job(cfg: train.Config) -> Memory:
     """This rank's memory per step: on CPU what memory.TensorPeaks counts (the same on every
     platform), on CUDA the caching allocator's peak and current allocated bytes."""
-    # The margins' sizes, from the analytic model the report and the fit estimate share: one block's
-    # padded flat buffer, in the reduce dtype (its reduce-scatter input) and in the larger dtype.
-    groups = memory_model.model_groups(cfg.model, cfg.seq_len, assets.vocab_size(),
-                                       dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
-    world = dist.get_world_size()
-    block = memory_model.largest_block(groups, world)
-    reduce = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
-    compute = train.DTYPES[cfg.param_dtype] or torch.float32
-    larger = max(reduce, compute, key=lambda d: d.itemsize)
     live, held = [], []
     device = current_device(cfg.device)
     if device.type == "cuda":
@@ -346,5 +337,15 @@ def memory_job(cfg: train.Config) -> Memory:
 
             train.train(cfg, inspect=inspect)
         peaks, held = tp.peaks[1:], tp.levels[1:]
+    # The margins' sizes, from the analytic model the report and the fit estimate share: one block's
+    # padded flat buffer, in the reduce dtype (its reduce-scatter input) and in the larger dtype.
+    # After training, which makes the tokenizer whose vocabulary this reads on a fresh checkout.
+    groups = memory_model.model_groups(cfg.model, cfg.seq_len, assets.vocab_size(),
+                                       dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
+    world = dist.get_world_size()
+    block = memory_model.largest_block(groups, world)
+    reduce = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
+    compute = train.DTYPES[cfg.param_dtype] or torch.float32
+    larger = max(reduce, compute, key=lambda d: d.itemsize)
     return Memory(peaks, held, live, memory_model.reduce_scatter_input_bytes(block, world, reduce),
                   memory_model.group_bytes(block, world, larger.itemsize))
