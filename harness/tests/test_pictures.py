@@ -130,3 +130,15 @@ def test_pytest_artifacts_with_the_skeleton(tmp_path):
     assert "memory.png: not drawn" in said, said
     assert png_size(folder / "overlap.png")[0] >= 1000
     assert (folder / "profiles" / "fsdp2" / "traces" / "rank0.json").is_file()
+
+
+def test_cli_draws_train_py_traces_and_refuses_a_folder_without_them(fsdp2_traces, tmp_path, capsys):
+    """`python -m harness.tools.pictures traces/fsdp2 traces/effdl`, as the README gives it (FSDP2's
+    traces on both sides here), and a folder train.py did not profile into: one error line, exit 2."""
+    out = tmp_path / "overlap.png"
+    pictures.cli([str(fsdp2_traces), str(fsdp2_traces), "--out", str(out)])
+    assert png_size(out)[0] > 0 and f"wrote {out}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stopped:
+        pictures.cli([str(fsdp2_traces), str(tmp_path), "--out", str(tmp_path / "other.png")])
+    assert stopped.value.code == 2 and f"no rank0.json in {tmp_path}" in capsys.readouterr().err
+    assert not (tmp_path / "other.png").exists()
