@@ -287,3 +287,28 @@ def test_profiled_run_restores_its_traces(pool2, monkeypatch, computed, tmp_path
         assert off_stats.comm.kind(kind).count_by_phase == cold_stats.comm.kind(kind).count_by_phase
     key = lambda s: [(x.rank, x.step, x.kind, x.phase, x.group, x.overlapped) for x in s.scheduled]
     assert key(off_stats) == key(cold_stats) and off_stats.scheduled
+
+
+def test_profiled_run_keeps_its_analysis(pool2, monkeypatch, computed, tmp_path):
+    """run_profiled's FSDP2 side (analysed=True): the RunStats stored with the run are what the
+    restored traces analyse to, and a hit analyses no trace again."""
+    runs = iter(range(4))
+
+    def profiled():
+        folder = tmp_path / f"run{next(runs)}" / "traces"
+        cfg = as_fsdp2(config("x", num_steps=3, profile_steps=2, profile_memory=False, traces_dir=folder))
+        got, stats = checks.run_fsdp2(pool2, train_job, cfg, False, analysed=True)
+        return folder, got, stats
+
+    (_, off, off_stats), (_, cold, cold_stats), (warm_dir, warm, warm_stats) = \
+        three_ways(monkeypatch, computed, profiled)
+    same_runs(cold, warm)
+    assert warm_stats == cold_stats == analyze_run(warm_dir), "the stored analysis is not the traces'"
+    assert off_stats.scheduled and len(off_stats.scheduled) == len(cold_stats.scheduled)
+
+    def analyse_again(*args, **kwargs):
+        raise AssertionError("a stored run's traces were analysed again")
+
+    monkeypatch.setattr(checks, "analyze_run", analyse_again)
+    _, again, again_stats = profiled()
+    assert again_stats == cold_stats and len(computed) == 2

@@ -40,24 +40,28 @@ def run(pool: RankPool, fn, *args):
         raise type(e)(where + str(e)) from None
 
 
-def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False):
+def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False, analysed: bool = False):
     """FSDP2's side of a comparison, `run(pool, job, *args)` (fresh: on fresh ranks like the pool's),
     or what the same run gave before (fsdp2_cache, keyed by everything it depends on). A profiled
-    run's traces (and snapshots) are written to its folders either way."""
+    run's traces (and snapshots) are written to its folders either way; analysed: (the runs, the
+    traces' RunStats), stored together, so a stored run's traces are not analysed again."""
     __tracebackhide__ = True
 
     def compute():
         if not fresh:
-            return run(pool, job, *args)
-        with RankPool(pool.world_size, device=pool.device) as ranks:
-            return run(ranks, job, *args)
+            runs = run(pool, job, *args)
+        else:
+            with RankPool(pool.world_size, device=pool.device) as ranks:
+                runs = run(ranks, job, *args)
+        return (runs, analyze_run(cfg.traces_dir)) if analysed else runs
 
     cfg = next((a for a in args if isinstance(a, train.Config)), None)
     if pool.device != "cpu" or (cfg and cfg.profile_steps and (cfg.traces_dir is None or (
             cfg.profile_memory and cfg.snapshots_dir is None))):
         return compute()  # CPU runs only (see fsdp2_cache), and outputs only into folders named here
     outputs = {"traces": cfg.traces_dir, "snapshots": cfg.snapshots_dir} if cfg and cfg.profile_steps else {}
-    kind = job.__name__.removesuffix("_job").replace("_", "-") + ("-fresh" if fresh else "")
+    kind = job.__name__.removesuffix("_job").replace("_", "-") + ("-fresh" if fresh else "") + \
+        ("-analysed" if analysed else "")
     parts = fsdp2_cache.case(job, args, pool.world_size, pool.device, pool.threads)
     return fsdp2_cache.get(kind, parts, compute, outputs)
 
@@ -224,8 +228,11 @@ def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, mem
         cfg = dataclasses.replace(cfg, traces_dir=folder / name / "traces", profile_memory=memory,
                                   snapshots_dir=folder / name / "snapshots" if memory else None)
         # unobserved: the trace as the program runs
-        results[name] = (run_fsdp2 if name == "fsdp2" else run)(pool, train_job, cfg, False)
-        stats[name] = analyze_run(cfg.traces_dir)
+        if name == "fsdp2":
+            results[name], stats[name] = run_fsdp2(pool, train_job, cfg, False, analysed=True)
+        else:
+            results[name] = run(pool, train_job, cfg, False)
+            stats[name] = analyze_run(cfg.traces_dir)
     return Profiles(what, stats["fsdp2"], stats["effdl"]), results
 
 
