@@ -4,6 +4,7 @@ handout's points table at the end of every run of test.py."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -96,8 +97,11 @@ def pytest_sessionstart(session):
 
     def seen(case, runs):
         effdl = runs.get("hand-written")
-        pictures.record_memory(folder, case, [m.peaks for m in runs["FSDP2"]], effdl and [m.peaks for m in effdl],
-                               checks.allowance(runs["FSDP2"][0]))
+        try:
+            pictures.record_memory(folder, case, [m.peaks for m in runs["FSDP2"]], effdl and [m.peaks for m in effdl],
+                                   checks.allowance(runs["FSDP2"][0]))
+        except Exception as e:  # a picture never costs a graded check; pictures.txt says it is missing
+            print(f"--artifacts: could not record {case}'s peaks: {type(e).__name__}: {e}", file=sys.stderr)
     checks.memory_seen = seen
 
 

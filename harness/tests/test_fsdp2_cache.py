@@ -312,3 +312,54 @@ def test_profiled_run_keeps_its_analysis(pool2, monkeypatch, computed, tmp_path)
     monkeypatch.setattr(checks, "analyze_run", analyse_again)
     _, again, again_stats = profiled()
     assert again_stats == cold_stats and len(computed) == 2
+
+
+class Forged:
+    """What a forged entry could hold to run code in the grader when unpickled."""
+
+    def __reduce__(self):
+        import os
+        return (os.system, ("touch forged-entry-ran",))
+
+
+def test_a_signed_entry_runs_nothing_when_unpickled(cache, capsys, monkeypatch, tmp_path):
+    """The secret is a file that code of the same user can read: an entry signed with it must still
+    hold only what FSDP2's results are made of; anything else is refused and recomputed, never run."""
+    import hashlib
+    import hmac
+    import pickle
+
+    monkeypatch.chdir(tmp_path)
+    job = Job()
+    fsdp2_cache.get("train", parts(), job)
+    path, secret = entry(cache), (cache / "secret").read_bytes()
+    key = path.read_bytes()[len(fsdp2_cache.FORMAT):].split(b"\n", 2)[1]
+    payload = pickle.dumps({"value": Forged(), "files": {}, "roots": {}})
+    body = key + b"\n" + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+    path.write_bytes(fsdp2_cache.FORMAT + hmac.new(secret, body, "sha256").hexdigest().encode() + b"\n" + body)
+    value = fsdp2_cache.get("train", parts(), job)
+    assert not (tmp_path / "forged-entry-ran").exists(), "a signed entry ran code when unpickled"
+    assert job.calls == 2 and value[0]["losses"] == [1.5, 2.25]
+    assert "posix.system is not part of an FSDP2 result" in capsys.readouterr().err
+
+
+def test_a_store_that_fails_costs_only_the_store(cache, capsys, monkeypatch):
+    """A full or read-only disk: the check that asked still gets FSDP2's result."""
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fsdp2_cache, "_write_atomic", full)
+    job = Job()
+    assert fsdp2_cache.get("train", parts(), job)[0]["losses"] == [1.5, 2.25]
+    assert "could not store the train entry" in capsys.readouterr().err and not list(cache.glob("*.entry"))
+
+
+def test_what_is_stored_is_trained_on_fresh_ranks(pool2, monkeypatch, computed):
+    """A stored FSDP2 result serves every later submission, so it never comes from ranks a file under
+    test ran in (the pool the checks share): the pool given is not used to compute it."""
+    def tainted(*args, **kwargs):
+        raise AssertionError("FSDP2's stored run was trained in the shared pool")
+
+    monkeypatch.setattr(pool2, "run", tainted)
+    runs = checks.run_fsdp2(pool2, forward_job, as_fsdp2(config("x", num_steps=1)))
+    assert computed == ["forward"] and runs[0].forward_loss > 0

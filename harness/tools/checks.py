@@ -47,7 +47,7 @@ def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False, analysed: bool = 
     traces' RunStats), stored together, so a stored run's traces are not analysed again."""
     __tracebackhide__ = True
 
-    def compute():
+    def compute(fresh: bool = fresh):
         if not fresh:
             runs = run(pool, job, *args)
         else:
@@ -56,14 +56,16 @@ def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False, analysed: bool = 
         return (runs, analyze_run(cfg.traces_dir)) if analysed else runs
 
     cfg = next((a for a in args if isinstance(a, train.Config)), None)
-    if pool.device != "cpu" or (cfg and cfg.profile_steps and (cfg.traces_dir is None or (
-            cfg.profile_memory and cfg.snapshots_dir is None))):
+    if pool.device != "cpu" or (cfg and ((cfg.profile_steps and (cfg.traces_dir is None or (
+            cfg.profile_memory and cfg.snapshots_dir is None))) or cfg.checkpoint_dir is not None)):
         return compute()  # CPU runs only (see fsdp2_cache), and outputs only into folders named here
     outputs = {"traces": cfg.traces_dir, "snapshots": cfg.snapshots_dir} if cfg and cfg.profile_steps else {}
     kind = job.__name__.removesuffix("_job").replace("_", "-") + ("-fresh" if fresh else "") + \
         ("-analysed" if analysed else "")
     parts = fsdp2_cache.case(job, args, pool.world_size, pool.device, pool.threads)
-    return fsdp2_cache.get(kind, parts, compute, outputs)
+    # What is stored serves every later submission: it is computed on fresh ranks, which no file under
+    # test ever ran in (one could have changed torch's state in the pool's processes).
+    return fsdp2_cache.get(kind, parts, lambda: compute(fresh=True), outputs)
 
 
 def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[Run]]:

@@ -31,8 +31,10 @@ line on stderr saying why. Each entry file holds its full key (not only the hash
 from), a SHA-256 of its payload, and an HMAC of both under a random secret made once per cache
 folder (mode 0600): a stale entry (another key), one copied from another folder (another secret),
 an altered, truncated or unreadable one, or one whose stored files are missing or damaged is never
-used. The payload is a pickle, unpickled only after the HMAC verifies, so only what this cache wrote
-is ever unpickled. Stored files (traces) live beside the entries as zlib blobs named by the
+used. The payload is a pickle, unpickled only after the HMAC verifies and then only into what FSDP2's
+results are made of (`_Unpickler`): the secret lives in a file that code of the same user could
+read, so a forged entry must not be able to run anything. What is stored is computed on fresh ranks
+that never ran a file under test (checks.run_fsdp2). A failed store only prints why. Stored files (traces) live beside the entries as zlib blobs named by the
 SHA-256 of their content, which the entry lists and a load checks. Every write is a temporary file
 and an os.replace, so processes running side by side (a grader's pytest processes) never read half
 an entry, and two that compute the same entry both write a whole one.
@@ -49,6 +51,7 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+import io
 import json
 import os
 import pickle
@@ -265,7 +268,7 @@ def _load(path: Path, key: bytes, secret: bytes, outputs: dict[str, Path | None]
     if not hmac.compare_digest(mac, hmac.new(secret, body, "sha256").hexdigest().encode()):
         raise Refused("is not signed with this folder's secret (copied from elsewhere, or altered)")
     try:
-        stored = pickle.loads(payload)  # signed by this cache: safe to unpickle
+        stored = _Unpickler(io.BytesIO(payload)).load()
     except Exception as e:
         raise Refused(f"cannot be unpickled ({type(e).__name__}: {e})") from None
     _restore_files(path.parent, stored["files"], outputs)
@@ -273,6 +276,32 @@ def _load(path: Path, key: bytes, secret: bytes, outputs: dict[str, Path | None]
         if root is not None and stored["roots"].get(name):
             _rebase(stored["value"], Path(stored["roots"][name]), Path(root))
     return stored["value"]
+
+
+def _load_storage(data: bytes):
+    """torch.storage._load_from_bytes, which a pickled tensor calls, without its full unpickler."""
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Only what FSDP2's results are made of: the harness's and train.py's dataclasses (and the rank
+    jobs' CommLog), containers, paths and CPU tensors. The secret signs entries against accidents and
+    copies, not against code that can read it; this keeps a forged entry from running anything."""
+
+    SAFE = {("collections", "OrderedDict"), ("collections", "deque"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"),
+            ("torch._utils", "_rebuild_tensor_v2"), ("harness.tools.jobs", "CommLog")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage
+        obj = super().find_class(module, name)
+        ours = (module == "train" or module.startswith("harness.")) and dataclasses.is_dataclass(obj)
+        if (module, name) in self.SAFE or (ours and isinstance(obj, type)):
+            return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of an FSDP2 result")
 
 
 def get(kind: str, parts: dict, compute: Callable[[], T], outputs: dict[str, Path | None] | None = None) -> T:
@@ -293,9 +322,13 @@ def get(kind: str, parts: dict, compute: Callable[[], T], outputs: dict[str, Pat
         except Refused as e:
             print(f"FSDP2 cache: the {kind} entry {path.name} {e}; recomputing", file=sys.stderr, flush=True)
     value = compute()
-    stored = {"value": value, "files": _store_files(where, outputs),
-              "roots": {name: str(root) if root is not None else None for name, root in outputs.items()}}
-    payload = pickle.dumps(stored, protocol=pickle.HIGHEST_PROTOCOL)
-    body = key + b"\n" + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
-    _write_atomic(path, FORMAT + hmac.new(secret, body, "sha256").hexdigest().encode() + b"\n" + body)
+    try:
+        stored = {"value": value, "files": _store_files(where, outputs),
+                  "roots": {name: str(root) if root is not None else None for name, root in outputs.items()}}
+        payload = pickle.dumps(stored, protocol=pickle.HIGHEST_PROTOCOL)
+        body = key + b"\n" + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+        _write_atomic(path, FORMAT + hmac.new(secret, body, "sha256").hexdigest().encode() + b"\n" + body)
+    except OSError as e:  # a full or read-only disk costs the store, never the check that asked
+        print(f"FSDP2 cache: could not store the {kind} entry in {where} ({e}); going on without it",
+              file=sys.stderr, flush=True)
     return value

@@ -60,7 +60,9 @@ ADVICE = {
     **dict.fromkeys(("exec", "eval", "compile", "cpp_extension", "load_inline"), "write the code out in the file"),
     **dict.fromkeys(("globals", "locals", "vars", "f_globals", "f_locals", "f_back", "tb_frame", "gi_frame",
                      "cr_frame", "_getframe", "currentframe", "gc", "ctypes", "inspect"), _ARGS),
-    **dict.fromkeys(("open", "subprocess"), "the FSDP computes its results; it reads no files and runs no programs"),
+    **dict.fromkeys(("open", "subprocess", "serialization", "_open_file", "_open_zipfile_reader",
+                     "_open_zipfile_writer", "save", "load"),
+                    "the FSDP computes its results; it reads no files and runs no programs"),
     # Storage outside torch's CPU allocator, which the graded memory check counts (harness/memory.py).
     **dict.fromkeys(("share_memory_", "from_file", "_share_filename_", "_share_fd_", "_new_shared",
                      "_new_shared_filename", "_new_shared_fd"),

@@ -90,6 +90,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, threads: int, jo
         return
     while (job := jobs.get()) is not None:
         fn, args, kwargs = job
+        torch.set_num_threads(threads)  # whatever an earlier job (a file under test) set
         try:
             results.put((rank, "ok", fn(*args, **kwargs)))
         except BaseException:
