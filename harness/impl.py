@@ -46,8 +46,20 @@ def run_name(fsdp: str, impl: str) -> str:
     return f"effdl-{path.stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
 
 
+_REFUSED: str | None = None
+
+
+def refuse_files(reason: str) -> None:
+    """From now on this process imports no file under test (`load` raises, saying `reason`): a rank
+    whose results the grader trusts (harness/tools/ranks.py) runs FSDP2 only."""
+    global _REFUSED
+    _REFUSED = reason
+
+
 def load(impl: str) -> ModuleType:
     """Import the hand-written FSDP (once per file) and check it has what train.py calls."""
+    if _REFUSED:
+        raise RuntimeError(f"--impl {impl}: {_REFUSED}")
     path = impl_path(impl)
     name = f"effdl_fsdp_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if name not in sys.modules:

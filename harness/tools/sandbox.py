@@ -1,0 +1,260 @@
+"""The unprivileged user that runs files under test when the grader is root.
+
+Gradescope runs its autograder as root, and so do CI and a `grade` started by root. There the ranks
+that import a file under test (RankPool's "sandboxed" role) become the user `fsdp-sandbox` right
+after they are forked, before the file is imported: no supplementary groups, its own group, no way
+back (`PR_SET_NO_NEW_PRIVS`: no setuid program raises it again), a private HOME and TMPDIR, no
+bytecode written. The files the grader keeps (the FSDP2 store and its secret, the repository,
+results.json, the points JSON, pytest's temporary folders) are root's and not writable by others,
+so such a rank can neither read the secret nor write any of them. What a sandboxed run must write
+(a profiled run's traces and snapshots, a checkpoint) goes to a folder of the sandbox user's own
+(`Private.out`), from which the grader copies regular files back, size-capped, never following a
+link (`copy_back`). When a sandboxed pool closes, `sweep` kills what its ranks left running.
+
+Not root (a student's laptop), nothing changes: the student's own code runs as the student, and
+there is nothing of anyone else's to protect.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+USER = "fsdp-sandbox"
+MAX_FILE = 1 << 30
+"""bytes of one file a sandboxed rank wrote that the grader copies back (a trace is megabytes)"""
+MAX_FILES = 4096
+
+
+class SandboxError(RuntimeError):
+    """Root cannot run a file under test as the unprivileged user; the text says how to fix it."""
+
+
+def wanted() -> bool:
+    """Whether files under test must run as the sandbox user: the grader is root (on Linux)."""
+    return sys.platform.startswith("linux") and os.geteuid() == 0
+
+
+def account() -> tuple[int, int]:
+    """(uid, gid) of the sandbox user, created (a system user, no home, no shell) when missing."""
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(USER)
+    except KeyError:
+        made = subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+                               "--shell", "/usr/sbin/nologin", USER], capture_output=True, text=True)
+        try:
+            pw = pwd.getpwnam(USER)
+        except KeyError:
+            raise SandboxError(
+                f"running as root, files under test run as the unprivileged user {USER}, which is missing and could "
+                f"not be made ({(made.stderr or made.stdout).strip()[:200] or 'useradd failed'}): create it with "
+                f"`useradd --system --user-group {USER}`, or grade as another user than root") from None
+    if pw.pw_uid == 0 or pw.pw_gid == 0:
+        raise SandboxError(f"the user {USER} has uid or gid 0: it must be an unprivileged user")
+    return pw.pw_uid, pw.pw_gid
+
+
+@dataclass(frozen=True)
+class Private:
+    """A sandboxed pool's own folder, owned by the sandbox user (or, not root, by the caller):
+    home/ (HOME), tmp/ (TMPDIR) and out/ (where its runs write their files)."""
+
+    root: Path
+    uid: int | None
+    gid: int | None
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def out(self) -> Path:
+        return self.root / "out"
+
+    @classmethod
+    def make(cls) -> Private:
+        uid, gid = account() if wanted() else (None, None)
+        if uid is not None:
+            reachable()
+        root = Path(tempfile.mkdtemp(prefix="fsdp-sandbox-"))  # 0700, root's until everything in it is made
+        for sub in ("home", "tmp", "out"):
+            (root / sub).mkdir(mode=0o700)
+            if uid is not None:
+                os.chown(root / sub, uid, gid)
+        if uid is not None:
+            os.chown(root, uid, gid)
+        return cls(root, uid, gid)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)  # never follows a link the sandbox left in it
+
+
+def reachable() -> None:
+    """Let other users pass through (o+x: enter, not list) every folder above Python's library, the
+    environment and the repository that does not let them, so the sandbox user can import what a
+    rank imports after it dropped root (pyenv and uv keep Python under root's 0700 home). Said once on
+    stderr per folder changed."""
+    from harness.impl import ROOT
+
+    for top in {Path(sys.base_prefix), Path(sys.prefix), Path(os.__file__).resolve().parent, ROOT}:
+        for folder in [*reversed(top.resolve().parents), top.resolve()]:
+            mode = folder.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
+                print(f"sandbox: {folder} is now passable by other users (o+x, its entries still unlisted), so that "
+                      f"{USER} can import Python's library from under it", file=sys.stderr, flush=True)
+
+
+def enter(private: Private) -> None:
+    """In a freshly forked rank, before any file under test is imported: become the sandbox user for
+    good, with the private HOME and TMPDIR. Not root: only HOME and TMPDIR change."""
+    if private.uid is not None:
+        os.setgroups([])
+        os.setgid(private.gid)
+        os.setuid(private.uid)
+        if os.getuid() != private.uid or os.geteuid() != private.uid or os.getegid() != private.gid:
+            raise SandboxError(f"could not become {USER}")
+        try:
+            os.setuid(0)
+        except PermissionError:
+            pass
+        else:
+            raise SandboxError(f"{USER} could become root again")
+        # PR_SET_NO_NEW_PRIVS: no setuid program (su, sudo) gives privileges back
+        if ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0) != 0:
+            raise SandboxError("prctl(PR_SET_NO_NEW_PRIVS) failed")
+        os.environ.update(USER=USER, LOGNAME=USER)
+    cache = private.home / ".cache"
+    os.environ.update(HOME=str(private.home), TMPDIR=str(private.tmp), XDG_CACHE_HOME=str(cache),
+                      HF_HOME=str(cache / "huggingface"), HF_DATASETS_CACHE=str(cache / "huggingface" / "datasets"))
+    tempfile.tempdir = None  # read TMPDIR again
+    if (datasets_config := sys.modules.get("datasets.config")) is not None:
+        # imported by the forkserver (torchtitan's dataset), which read root's HOME: the prepared data
+        # goes to this rank's own cache, where no other submission's run reads it
+        datasets_config.HF_DATASETS_CACHE = Path(os.environ["HF_DATASETS_CACHE"])
+    sys.dont_write_bytecode = True  # nothing the grader later imports is written by this process
+
+
+# --------------------------------------------------------------------------- files written in the sandbox
+
+
+def copy_back(src: Path, dest: Path) -> None:
+    """Copy the regular files under `src` (a folder a sandboxed rank wrote) to `dest`: links and
+    anything but regular files and folders skipped, each file opened without following a link and
+    at most MAX_FILE bytes, at most MAX_FILES files."""
+    count = 0
+
+    def walk(dir_fd: int, into: Path) -> None:
+        nonlocal count
+        into.mkdir(parents=True, exist_ok=True)
+        for name in os.listdir(dir_fd):
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                try:
+                    walk(fd, into / name)
+                finally:
+                    os.close(fd)
+            elif stat.S_ISREG(st.st_mode):
+                count += 1
+                if count > MAX_FILES:
+                    raise SandboxError(f"more than {MAX_FILES} files written by the run under test")
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+                with os.fdopen(fd, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        continue
+                    data = f.read(MAX_FILE + 1)
+                if len(data) > MAX_FILE:
+                    raise SandboxError(f"{into / name}: the run under test wrote more than {MAX_FILE} bytes")
+                (into / name).write_bytes(data)
+
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        walk(fd, Path(dest))
+    finally:
+        os.close(fd)
+
+
+def give(src: Path, dest: Path, private: Private) -> None:
+    """Copy the files under `src` (the grader's) into `dest` in the sandbox, owned by the sandbox user."""
+    shutil.copytree(src, dest, symlinks=False, dirs_exist_ok=True)
+    if private.uid is not None:
+        for path in [dest, *dest.rglob("*")]:
+            os.lchown(path, private.uid, private.gid)
+
+
+# --------------------------------------------------------------------------- processes left behind
+
+
+def _sandboxed(uid: int) -> dict[int, int]:
+    """{pid: parent pid} of every process of `uid`."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["pid", "ppid", "uids", "status"]):
+        try:  # a zombie is dead already: its parent has yet to reap it
+            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out[p.info["pid"]] = p.info["ppid"]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
+    """As root: kill the given ranks and every process of the sandbox user that descends from them
+    or lost its parent (re-parented to pid 1: forked into the background by a rank), until none is
+    left; the ranks of other live pools (children of a forkserver, itself root's) stay. Returns
+    the pids killed. Not root: kills the ranks only."""
+    import signal
+
+    killed: list[int] = []
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    if not wanted():
+        return killed
+    try:
+        uid, _ = account()
+    except SandboxError:
+        return killed
+    doomed = set(ranks)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs = _sandboxed(uid)
+        roots = {pid for pid, parent in procs.items() if parent <= 1 or parent in doomed}
+        tree, grew = set(roots), True
+        while grew:
+            grew = False
+            for pid, parent in procs.items():
+                if parent in tree and pid not in tree:
+                    tree.add(pid)
+                    grew = True
+        if not tree:
+            return killed
+        for sig in (signal.SIGSTOP, signal.SIGKILL):  # stopped first, so none forks while the rest die
+            for pid in tree:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        killed += sorted(tree)
+        doomed |= tree
+        time.sleep(0.05)
+    raise SandboxError(f"processes of {USER} still running after {timeout:.0f} s of killing them")
