@@ -197,11 +197,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def _pool(world_size: int):
-    from harness.tools.ranks import RankPool
+    """One world size's trusted (FSDP2) and sandboxed (the file under test) pools, each started when
+    first used (with FSDP2's side stored, the trusted one often never is)."""
+    from harness.tools.ranks import Ranks
 
-    pool = RankPool(world_size, device="cpu")
-    yield pool
-    pool.close()
+    with Ranks(world_size, device="cpu") as ranks:
+        yield ranks
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,7 @@ def main(args: Args) -> int:
         for exact, measured in passes:
             for r in range(args.repeats):
                 for name in (("fsdp2", "effdl") if r % 2 == 0 else ("effdl", "fsdp2")):
-                    with RankPool(world, device=args.device) as pool:
+                    with RankPool(world, device=args.device, role="own") as pool:
                         per_rank = pool.run(measure_job, dataclasses.replace(configs[name], exact_cpu_memory=exact))
                     if "time" in measured:
                         times[name].append(max(t for t, _ in per_rank))  # the slowest rank sets the pace
@@ -107,7 +107,7 @@ def main(args: Args) -> int:
                         f"{times[name][-1] * 1000:.0f} ms/step" if m == "time" else f"peak {peaks[name][-1] / 2**20:.1f} MiB"
                         for m in measured), flush=True)
         hidden = {}
-        with tempfile.TemporaryDirectory() as tmp, RankPool(world, device=args.device) as pool:
+        with tempfile.TemporaryDirectory() as tmp, RankPool(world, device=args.device, role="own") as pool:
             for name, cfg in configs.items():
                 traced = dataclasses.replace(cfg, num_steps=3, profile_steps=2, traces_dir=Path(tmp) / name,
                                              profile_memory=False)

@@ -1,8 +1,9 @@
-"""The checks behind test.py, as plain functions over a RankPool.
+"""The checks behind test.py, as plain functions over one world size's ranks (ranks.Ranks).
 
-Each `check_*` runs FSDP2 and a hand-written FSDP (`impl`: student or a .py path) in the same
-spawned process group (the rank jobs: jobs.py; FSDP2's side from fsdp2_cache when the same
-run was made before: `run_fsdp2`), compares what they did (compare.py) by the
+Each `check_*` runs FSDP2 and a hand-written FSDP (`impl`: student or a .py path) on one world
+size's spawned ranks (ranks.Ranks: FSDP2 on the trusted pool, the file under test on the sandboxed
+one, whose results come back as data; the rank jobs: jobs.py; FSDP2's side from fsdp2_cache when
+the same run was made before: `run_fsdp2`), compares what they did (compare.py) by the
 course's rules (policy.py), and raises AssertionError saying exactly what differs. Every check
 has been run against deliberately broken variants of a correct FSDP and fails there
 (the instructors' mutant tests).
@@ -21,14 +22,15 @@ from harness.tools.compare import (assert_same_comm, assert_same_numbers, assert
                                    tensor_difference, ulps)
 from harness.tools.jobs import Run, forward_job, memory_job, odd_shapes_job, shard_job, train_job
 from harness.tools.policy import LATE_BUFFERS, MODES, OVERLAP, as_fsdp2, config, describe, mode_flags
-from harness.tools.ranks import RankError, RankPool
+from harness.tools.ranks import RankError, RankPool, Ranks
 
 
 # --------------------------------------------------------------------------- running both
 
 
-def run(pool: RankPool, fn, *args):
-    """pool.run, with a check that failed on the ranks raised here as an AssertionError."""
+def run(pool: Ranks | RankPool, fn, *args):
+    """pool.run (on Ranks: the sandboxed pool for a job of the file under test, the trusted one for
+    FSDP2's), with a check that failed on the ranks raised here as an AssertionError."""
     __tracebackhide__ = True  # the student's line is in the ranks' traceback, not here
     cfg = next((a for a in args if isinstance(a, train.Config)), None)
     where = f"[{describe(cfg, pool.world_size)}, {cfg.fsdp if cfg.fsdp != 'effdl' else 'hand-written'}] " if cfg else ""
@@ -40,7 +42,7 @@ def run(pool: RankPool, fn, *args):
         raise type(e)(where + str(e)) from None
 
 
-def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False, analysed: bool = False):
+def run_fsdp2(pool: Ranks, job, *args, fresh: bool = False, analysed: bool = False):
     """FSDP2's side of a comparison, `run(pool, job, *args)` (fresh: on fresh ranks like the pool's),
     or what the same run gave before (fsdp2_cache, keyed by everything it depends on). A profiled
     run's traces (and snapshots) are written to its folders either way; analysed: (the runs, the
@@ -49,9 +51,9 @@ def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False, analysed: bool = 
 
     def compute(fresh: bool = fresh):
         if not fresh:
-            runs = run(pool, job, *args)
+            runs = run(pool.trusted, job, *args)
         else:
-            with RankPool(pool.world_size, device=pool.device) as ranks:
+            with RankPool(pool.world_size, device=pool.device, role="trusted") as ranks:
                 runs = run(ranks, job, *args)
         return (runs, analyze_run(cfg.traces_dir)) if analysed else runs
 
@@ -63,12 +65,12 @@ def run_fsdp2(pool: RankPool, job, *args, fresh: bool = False, analysed: bool = 
     kind = job.__name__.removesuffix("_job").replace("_", "-") + ("-fresh" if fresh else "") + \
         ("-analysed" if analysed else "")
     parts = fsdp2_cache.case(job, args, pool.world_size, pool.device, pool.threads)
-    # What is stored serves every later submission: it is computed on fresh ranks, which no file under
-    # test ever ran in (one could have changed torch's state in the pool's processes).
-    return fsdp2_cache.get(kind, parts, lambda: compute(fresh=True), outputs)
+    # What is stored serves every later submission: it is computed on trusted ranks, which never import
+    # a file under test (ranks.RankPool's roles).
+    return fsdp2_cache.get(kind, parts, compute, outputs)
 
 
-def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[Run]]:
+def run_graded(pool: Ranks, job, cfg: train.Config) -> tuple[list[Run], list[Run]]:
     """FSDP2's and the hand-written FSDP's runs of `job`; fails at once if the latter is FSDP2."""
     __tracebackhide__ = True
     ref = run_fsdp2(pool, job, as_fsdp2(cfg))
@@ -79,7 +81,7 @@ def run_graded(pool: RankPool, job, cfg: train.Config) -> tuple[list[Run], list[
     return ref, got
 
 
-def measure_shard(pool: RankPool, cfg: train.Config):
+def measure_shard(pool: Ranks, cfg: train.Config):
     """For assert_same_parameters: train both again up to the step where a shard first differs and
     say by how much (the runs are deterministic: the same bits again)."""
     def measure(rank: int, step: int, name: str) -> str:
@@ -95,7 +97,7 @@ def measure_shard(pool: RankPool, cfg: train.Config):
 # --------------------------------------------------------------------------- task 1
 
 
-def check_forward(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str) -> str:
+def check_forward(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str) -> str:
     """Task 1, forward: the first forward's loss bit-identical to FSDP2's on every rank, parameters
     Shard(0) DTensors before and the blocks' after, each block's gathered parameters freed after
     its forward, and the forward's all-gathers (dtype, bytes) FSDP2's. Returns the evidence."""
@@ -113,7 +115,7 @@ def check_forward(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str
     return assert_same_comm(ref, got, "forward", what)
 
 
-def check_step(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
+def check_step(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
     """Task 1, step: every loss, grad norm and shard bit-identical to FSDP2's; gathered parameters
     and full gradients freed by the end of each step; every collective's dtype and bytes FSDP2's."""
     __tracebackhide__ = True
@@ -129,7 +131,7 @@ def check_step(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, *
     return f"{len(got[0].result.losses)} steps bit-identical; " + "; ".join(evidence)
 
 
-def check_odd_shapes(pool: RankPool, impl: str) -> str:
+def check_odd_shapes(pool: Ranks, impl: str) -> str:
     """Rows that do not divide by the world size, and empty shards: every parameter and gradient,
     after every step, equal to FSDP2's. Returns the evidence."""
     __tracebackhide__ = True
@@ -161,7 +163,7 @@ def allowance(m) -> int:
     return m.block_reduce + LATE_BUFFERS * m.block_largest
 
 
-def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
+def check_memory(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
     """Peak memory per step (tensor memory on CPU) within one reduce-scatter input and a late buffer of
     FSDP2's, and no growth.
 
@@ -172,7 +174,7 @@ def check_memory(pool: RankPool, impl: str, param_dtype: str, reduce_dtype: str,
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
     what = describe(cfg, pool.world_size)
     runs = {"FSDP2": run_fsdp2(pool, memory_job, as_fsdp2(cfg), fresh=True)}
-    with RankPool(pool.world_size, device=pool.device) as fresh:
+    with RankPool(pool.world_size, device=pool.device, role="sandboxed") as fresh:
         runs["hand-written"] = run(fresh, memory_job, cfg)
     if memory_seen is not None:
         memory_seen(what + "".join(f", {k}={v}" for k, v in overrides.items()), runs)
@@ -214,13 +216,13 @@ class Profiles:
     effdl: RunStats
 
 
-def profile_both(pool: RankPool, impl: str, folder, memory: bool = False, **overrides) -> Profiles:
+def profile_both(pool: Ranks, impl: str, folder, memory: bool = False, **overrides) -> Profiles:
     __tracebackhide__ = True
     cfg = config(impl, num_steps=3, profile_steps=2, **overrides)
     return run_profiled(pool, cfg, folder, describe(cfg, pool.world_size), memory=memory)[0]
 
 
-def run_profiled(pool: RankPool, cfg_effdl: train.Config, folder, what: str, memory: bool = False):
+def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory: bool = False):
     """Profiled runs of FSDP2 and the hand-written FSDP (same config otherwise): their analysed
     traces under folder/<fsdp2|effdl>/traces, and per implementation each rank's Run (train_job). The checks read the schedule and the collectives only, so by default there are
     no allocation events and no snapshots (memory=True: snapshots in folder/<...>/snapshots)."""
@@ -284,7 +286,7 @@ def assert_overlap(p: Profiles, which: str) -> str:
     return ", ".join(shown)
 
 
-def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder) -> str:
+def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder) -> str:
     """One profiled run each of FSDP2 and the hand-written FSDP in the given bonus modes: the
     collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
     every loss, grad norm and parameter shard equals FSDP2's."""
@@ -324,7 +326,7 @@ def check_mode(pool: RankPool, impl: str, modes: list[str], param_dtype: str, re
 _NOT_FSDP2: dict[str, str | None] = {}
 
 
-def check_not_fsdp2(pool: RankPool, impl: str) -> None:
+def check_not_fsdp2(pool: Ranks, impl: str) -> None:
     """The file is not PyTorch's FSDP2: its source (static_problem) and one wrapped forward on the
     ranks (classes, state, hooks, ops, stack). Once per file and process."""
     __tracebackhide__ = True

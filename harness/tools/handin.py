@@ -107,7 +107,7 @@ def profile_runs(impl: str, out: Path, runs: list[str], world_size: int) -> list
     from harness.tools.ranks import RankError, RankPool
 
     failures = []
-    with RankPool(world_size) as pool:
+    with RankPool(world_size, role="own") as pool:
         for name in runs:
             flags = {} if name == "tasks" else policy.MODES[name].flags
             cfg = policy.config(impl, num_steps=3, profile_steps=2, **flags)

@@ -93,6 +93,18 @@ class CommLog(TorchDispatchMode):
                 self.fsdp2 = handwritten.stack_problem()
         return func(*args, **kwargs)
 
+    def record(self) -> Comm:
+        return Comm(list(self.events), self.fsdp2)
+
+
+@dataclasses.dataclass
+class Comm:
+    """What a CommLog saw, as data: every (step, phase, kind, dtype, bytes), and whether FSDP2 issued
+    a collective."""
+
+    events: list[tuple[int, str, str, str, int]]
+    fsdp2: str | None
+
     def sent(self, phase: str) -> dict:
         """{(kind, dtype, bytes): count} of one phase, over all steps after wrapping."""
         out: dict = {}
@@ -165,7 +177,7 @@ class Run:
     result: "train.TrainResult | None"
     digests: list[dict[str, str]]
     problems: list[str]
-    comm: CommLog
+    comm: Comm
     fsdp2: str | None
     forward_loss: float | None = None
 
@@ -203,7 +215,7 @@ def train_job(cfg: train.Config, observe: bool = True) -> Run:
                    "(while wrapping the model with fully_shard)")
         raise
     problems = holder["probes"].problems if holder.get("probes") else []
-    return Run(result, digests, problems, log, holder.get("fsdp2") or log.fsdp2)
+    return Run(result, digests, problems, log.record(), holder.get("fsdp2") or log.fsdp2)
 
 
 def forward_job(cfg: train.Config) -> Run:
@@ -224,7 +236,7 @@ def forward_job(cfg: train.Config) -> Run:
             probes.problems.append(f"{when}: layers.{name} is a {type(p).__name__}, not its sharded DTensor "
                                    "(a block that reshards after forward puts its sharded parameters back)")
             break
-    return Run(None, [], probes.problems, log, problem or log.fsdp2, forward_loss=loss.item())
+    return Run(None, [], probes.problems, log.record(), problem or log.fsdp2, forward_loss=loss.item())
 
 
 def shard_job(cfg: train.Config, step: int, name: str) -> torch.Tensor:

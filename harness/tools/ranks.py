@@ -1,4 +1,4 @@
-"""A pool of spawned ranks that stays up between jobs.
+"""Pools of spawned ranks that stay up between jobs.
 
 Tests and the benchmark need a process group without an external launcher, and
 importing torchtitan costs ~10 s per process, so the ranks are spawned once and
@@ -18,15 +18,31 @@ rank's traceback. If ranks do not answer in time (usually a collective waiting
 on a rank that went another way), `run` raises `RankTimeout` naming them. When
 every rank answered (even with an error) the pool stays up; when some rank hangs it
 is shut down, since a half-finished collective cannot be recovered.
+
+The trust boundary: a pool has one role, for its whole life.
+- "trusted": FSDP2 and the harness's own jobs. Its ranks refuse to import a file under test
+  (harness.impl.refuse_files), so nothing a submission did can be in a process whose results
+  the grader keeps (the FSDP2 store) or unpickles.
+- "sandboxed": the file under test. Its ranks become the unprivileged sandbox user when the grader
+  is root (harness/tools/sandbox.py), before any job runs, and send results as data only
+  (harness/tools/wire.py: JSON and safetensors, decoded against the job's return annotation, with
+  a size cap), each rank on its own pipe, so the rank a result is from is never taken from the
+  message. What its runs write (traces, snapshots, checkpoints) goes to the sandbox's own folder
+  and is copied back as plain files. When it closes, `sandbox.sweep` kills what its ranks left.
+- "own": a student's own tools (benchmark, report, handin's profiled runs), both FSDPs in one
+  pool, as the user who runs them: no boundary, nothing of anyone else's to protect.
+`Ranks` holds one world size's trusted and sandboxed pools for the graded checks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import queue
+import pickle
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -73,8 +89,44 @@ class RankTimeout(RankError):
     """Some ranks did not finish a job in time."""
 
 
+class Refused(RankError):
+    """A rank of a file under test sent something that is not a result of the job's declared type."""
 
-def _worker(rank: int, world_size: int, port: int, device: str, threads: int, jobs, results) -> None:
+
+ROLES = ("trusted", "sandboxed", "own")
+TRUSTED_ONLY = ("this rank trains FSDP2 for the grader (a trusted pool): a file under test is never imported "
+                "into it; run it on a sandboxed pool (checks.run, Ranks.run)")
+
+
+def _worker(role: str, rank: int, world_size: int, port: int, device: str, threads: int, conn, private) -> None:
+    # Become the sandbox user first: in the target, after multiprocessing rebuilt what it was handed
+    # (this connection), before any job (a file under test) is unpickled or imported.
+    from harness.tools import wire
+
+    data = role == "sandboxed"
+
+    def send(job: int, status: str, value: Any = None, fn: Callable | None = None, tb: str = "") -> None:
+        if not data:
+            conn.send_bytes(pickle.dumps((job, status, value, tb)))
+            return
+        try:
+            message = wire.encode(job, status, value, wire.result_type(fn) if status == "ok" else None, tb)
+        except BaseException:
+            message = wire.encode(job, "error", traceback=f"{getattr(fn, '__qualname__', fn)}'s result cannot be "
+                                  f"sent as data:\n{traceback.format_exc()}")
+        conn.send_bytes(message)
+
+    try:
+        if data:
+            from harness.tools import sandbox
+
+            sandbox.enter(private)
+        elif role == "trusted":
+            impl.refuse_files(TRUSTED_ONLY)
+    except BaseException:
+        send(0, "error", tb=traceback.format_exc())
+        return
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -84,82 +136,219 @@ def _worker(rank: int, world_size: int, port: int, device: str, threads: int, jo
 
         torch.set_num_threads(threads)
         init_distributed(device)
-        results.put((rank, "ready", None))
+        send(0, "ready")
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        send(0, "error", tb=traceback.format_exc())
         return
-    while (job := jobs.get()) is not None:
-        fn, args, kwargs = job
+    while True:
+        try:
+            job = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the pool's side is gone
+            break
+        if job is None:
+            break
+        number, fn, args, kwargs = job
         torch.set_num_threads(threads)  # whatever an earlier job (a file under test) set
         try:
-            results.put((rank, "ok", fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
         except BaseException:
-            results.put((rank, "error", traceback.format_exc()))
+            send(number, "error", tb=traceback.format_exc())
+        else:
+            send(number, "ok", value, fn)
     shutdown_distributed()
 
 
+# train.Config's folders a run writes into: a sandboxed run writes them in the sandbox's own folder
+OUTPUTS = ("traces_dir", "snapshots_dir", "checkpoint_dir")
+
+
 class RankPool:
-    def __init__(self, world_size: int, *, device: str = "cpu", start_timeout: float = 180.0):
+    def __init__(self, world_size: int, *, device: str = "cpu", start_timeout: float = 180.0, role: str = "trusted"):
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {ROLES}")
         method, preload = start_method(device)
         ctx = mp.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload(preload)
         self.world_size = world_size
         self.device = device
+        self.role = role
         self.threads = threads = rank_threads(world_size)
-        self._jobs = [ctx.Queue() for _ in range(world_size)]
-        self._results = ctx.Queue()
+        self._jobs = 0
+        self.private = None
+        if role == "sandboxed":
+            from harness import assets
+            from harness.tools import sandbox
+
+            assets.ensure(impl.ROOT)  # the data and tokenizer, which a sandboxed rank cannot write
+            self.private = sandbox.Private.make()
+        pipes = [ctx.Pipe(duplex=True) for _ in range(world_size)]
+        self._conns = [ours for ours, _ in pipes]
         port = free_port()
         self._procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, port, device, threads, self._jobs[r], self._results),
+                target=_worker, args=(role, r, world_size, port, device, threads, theirs, self.private),
                 daemon=True, name=f"rank{r}",
             )
-            for r in range(world_size)
+            for r, (_, theirs) in enumerate(pipes)
         ]
-        for p in self._procs:
-            p.start()
-        self._collect("start-up", start_timeout, expect="ready")
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            for _, theirs in pipes:
+                theirs.close()
+        self._collect("start-up", None, start_timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._procs is None
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
         """Run fn(*args, **kwargs) on every rank; return the per-rank results."""
         if self._procs is None:
             raise RankError("the rank pool was shut down after an earlier failure; start a new one")
-        for q in self._jobs:
-            q.put((fn, args, kwargs))
-        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout, expect="ok")
+        if self.role == "sandboxed":
+            from harness.tools import wire
 
-    def _collect(self, what: str, timeout: float, expect: str, grace: float = 30.0) -> list[Any]:
+            wire.result_type(fn)  # refused here, before it runs, if it declares no result type
+            staged, args = self._stage(args)
+        self._jobs += 1
+        job = pickle.dumps((self._jobs, fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(job)
+        try:
+            results = self._collect(getattr(fn, "__qualname__", repr(fn)), fn, timeout)
+        except RankError as e:
+            if self.role != "sandboxed":
+                raise
+            text = str(e)
+            for inside, outside in staged:  # messages name the files and folders as the caller knows them
+                text = text.replace(str(inside), str(outside))
+            raise type(e)(text) from None
+        finally:
+            if self.role == "sandboxed" and self._procs is not None:
+                self._unstage(staged)
+        if self.role == "sandboxed":
+            from harness.tools.fsdp2_cache import rebase
+
+            for inside, outside in staged:
+                results = [rebase(r, inside, outside) for r in results]
+        return results
+
+    def _stage(self, args: tuple) -> tuple[list[tuple[Path, Path]], tuple]:
+        """args with the file under test copied into the sandbox's own folder (a sandboxed rank may not
+        be able to read where it lies: a grader's temporary folder), and each output folder of a
+        train.Config moved there too (what a checkpoint folder holds copied in); [(in the sandbox,
+        where it was)], the folders to copy back and the paths to say in messages."""
+        import dataclasses
+        import shutil
+
+        import train
+        from harness.tools import sandbox
+
+        staged = []
+
+        def file(name: str) -> str:
+            path = impl.impl_path(name)
+            inside = self.private.root / "impl" / hashlib.sha256(str(path).encode()).hexdigest()[:12] / path.name
+            inside.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, inside)
+            staged.append((inside, path))
+            return str(inside)
+
+        out = []
+        for a in args:
+            if isinstance(a, train.Config):
+                moved = {}
+                for name in OUTPUTS:
+                    if (outside := getattr(a, name)) is not None:
+                        inside = self.private.out / f"{self._jobs + 1}-{name}"
+                        if Path(outside).is_dir():
+                            sandbox.give(Path(outside), inside, self.private)
+                        staged.append((inside, Path(outside)))
+                        moved[name] = inside
+                if a.fsdp == "effdl":
+                    moved["impl"] = file(a.impl)
+                a = dataclasses.replace(a, **moved)
+            elif isinstance(a, str) and a.endswith(".py") or a == "student":
+                a = file(a)
+            out.append(a)
+        return staged, tuple(out)
+
+    def _unstage(self, staged: list[tuple[Path, Path]]) -> None:
+        import shutil
+
+        from harness.tools import sandbox
+
+        for inside, outside in staged:
+            if inside.is_dir() and inside.is_relative_to(self.private.out):
+                sandbox.copy_back(inside, outside)
+                shutil.rmtree(inside, ignore_errors=True)
+
+    def _receive(self, conn, rank: int, fn) -> tuple[int, str, Any, str]:
+        """One message from `rank`: (job, status, value, traceback). Refused if it is not one."""
+        from harness.tools import wire
+
+        if self.role != "sandboxed":
+            return pickle.loads(conn.recv_bytes())  # a trusted rank, which ran no file under test
+        try:
+            data = conn.recv_bytes(wire.MAX_MESSAGE)
+        except OSError:
+            raise Refused(f"rank {rank} sent a message over {wire.MAX_MESSAGE} bytes; it was refused") from None
+        tp = wire.result_type(fn) if fn is not None else None
+        try:
+            job, status, value, tb = wire.decode(data, tp)
+        except wire.Malformed as e:
+            what = getattr(fn, "__qualname__", "start-up")
+            raise Refused(f"the result of rank {rank} ({what}) was refused: {e}. A rank of the file under test "
+                          "sends data of the job's declared type only") from None
+        if job != self._jobs:
+            raise Refused(f"rank {rank} answered job {job}, not job {self._jobs}; its result was refused")
+        return job, status, value, tb
+
+    def _collect(self, what: str, fn, timeout: float, grace: float = 30.0) -> list[Any]:
+        from multiprocessing.connection import wait
+
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
         deadline = time.monotonic() + timeout
-        while len(out) + len(errors) < self.world_size:
+        while waiting:
             if errors:  # the other ranks get a grace period, then are presumed stuck
                 deadline = min(deadline, time.monotonic() + grace)
-            try:
-                rank, status, value = self._results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p for p in self._procs if not p.is_alive()]
-                if dead:
+            ready = wait(list(waiting), timeout=1.0)
+            for conn in ready:
+                rank = waiting.pop(conn)
+                try:
+                    _, status, value, tb = self._receive(conn, rank, fn)
+                except EOFError:
                     self.close()
-                    codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
-                    raise RankError(f"{what}: a rank process died ({codes}) without a Python traceback "
-                                    "(killed for memory, or a crash in native code)") from None
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(self.world_size) if r not in out and r not in errors]
-                    self.close()
-                    if errors:
-                        raise RankError(self._report(what, errors) + f"\n(rank(s) {missing} then hung: "
-                                        "the pool was shut down)") from None
-                    raise RankTimeout(
-                        f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s. Usually a "
-                        "collective is waiting for a rank that skipped it or issued a different one "
-                        "(check that every rank runs the same all-gathers and reduce-scatters in the "
-                        "same order)."
-                    ) from None
-                continue
-            (errors if status == "error" else out)[rank] = value
+                    p = self._procs_at_close[rank]
+                    raise RankError(f"{what}: a rank process died ({p.name} exit code {p.exitcode}) without a "
+                                    "Python traceback (killed for memory, or a crash in native code)") from None
+                except Refused as e:
+                    self.close()  # its channel may be mid-message, and the file under test is hostile
+                    raise Refused(f"{what}: {e}") from None
+                if status == "error":
+                    errors[rank] = tb
+                else:
+                    out[rank] = value
+            if not ready and time.monotonic() > deadline:
+                missing = sorted(waiting.values())
+                self.close()
+                if errors:
+                    raise RankError(self._report(what, errors) + f"\n(rank(s) {missing} then hung: "
+                                    "the pool was shut down)") from None
+                raise RankTimeout(
+                    f"{what}: rank(s) {missing} did not finish within {timeout:.0f} s. Usually a "
+                    "collective is waiting for a rank that skipped it or issued a different one "
+                    "(check that every rank runs the same all-gathers and reduce-scatters in the "
+                    "same order)."
+                ) from None
         if errors:  # every rank answered, so none is stuck: the pool stays usable
+            if fn is None:
+                self.close()
             raise RankError(self._report(what, errors))
         return [out[r] for r in range(self.world_size)]
 
@@ -173,17 +362,80 @@ class RankPool:
     def close(self) -> None:
         if self._procs is None:
             return
-        for q, p in zip(self._jobs, self._procs):
+        for conn, p in zip(self._conns, self._procs):
             if p.is_alive():
-                q.put(None)
+                try:
+                    conn.send_bytes(pickle.dumps(None))
+                except OSError:
+                    pass
         for p in self._procs:
             p.join(timeout=10)
+        if self.role == "sandboxed":
+            from harness.tools import sandbox
+
+            # the ranks still running, and whatever they started that outlived them
+            sandbox.sweep([p.pid for p in self._procs if p.is_alive()])
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
-                p.join()
-        self._procs = None
+            p.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs_at_close, self._procs = self._procs, None
+        if self.private is not None:
+            self.private.remove()
 
     def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def under_test(args: tuple) -> bool:
+    """Whether a job with these arguments runs the file under test: one of them is a train.Config of
+    the hand-written FSDP (fsdp="effdl"), or, with no Config, one of them is text (the --impl a job
+    such as odd_shapes_job loads itself)."""
+    import train
+
+    configs = [a for a in args if isinstance(a, train.Config)]
+    if configs:
+        return any(c.fsdp == "effdl" for c in configs)
+    return any(isinstance(a, str) for a in args)
+
+
+class Ranks:
+    """One world size's ranks for the graded checks: a trusted pool for FSDP2 and a sandboxed one for
+    the file under test, each started when first used and again after a failure shut it down."""
+
+    def __init__(self, world_size: int, device: str = "cpu"):
+        self.world_size = world_size
+        self.device = device
+        self.threads = rank_threads(world_size)
+        self._pools: dict[str, RankPool] = {}
+
+    def pool(self, role: str) -> RankPool:
+        if (p := self._pools.get(role)) is None or p.closed:
+            p = self._pools[role] = RankPool(self.world_size, device=self.device, role=role)
+        return p
+
+    @property
+    def trusted(self) -> RankPool:
+        return self.pool("trusted")
+
+    @property
+    def sandboxed(self) -> RankPool:
+        return self.pool("sandboxed")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+        """fn on the sandboxed pool if it runs the file under test (`under_test`), else the trusted one."""
+        return self.pool("sandboxed" if under_test(args) else "trusted").run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        for p in self._pools.values():
+            p.close()
+
+    def __enter__(self) -> Ranks:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -186,7 +186,7 @@ class Sections:
         """Weak scaling at world size w (the model grows with it); the microbenchmark at w too."""
         layers = self.plan.weak_layers * w
         rows, bench = [], []
-        with RankPool(w, device=self.device) as pool:
+        with RankPool(w, device=self.device, role="own") as pool:
             self.warm_up(pool, dataclasses.replace(self.cfgs["fsdp2"], n_layers=layers))
             steps: dict[str, list[float]] = {"fsdp2": [], "effdl": []}
             for r in range(self.plan.repeats):  # interleaved A B, B A, ...: a drifting load hits both alike
@@ -205,7 +205,7 @@ class Sections:
         """Peak and parts per rank at world size w, with --exact-cpu-memory; at WORLD also the peaks
         with reshard_after_forward False (run -> peak) and rank 0's memory timeline."""
         rows, kept_peaks, timeline = [], {}, None
-        with RankPool(w, device=self.device) as pool:
+        with RankPool(w, device=self.device, role="own") as pool:
             self.warm_up(pool, dataclasses.replace(self.cfgs["fsdp2"], exact_cpu_memory=True))
             for name in ("fsdp2", "effdl"):
                 res = pool.run(train_job, dataclasses.replace(self.cfgs[name], exact_cpu_memory=True), components=True)
@@ -241,7 +241,7 @@ def measure(args: Args, plan: Plan, device: str, out: Path, progress: Progress) 
                     device=device, plan=plan, n_params=memory_model.numel(groups), environment=environment())
     sections = Sections(plan, cfgs, groups, out, device, progress)
 
-    with RankPool(WORLD, device=device) as pool:
+    with RankPool(WORLD, device=device, role="own") as pool:
         sections.warm_up(pool, cfgs["fsdp2"])
         times, report.losses = sections.speed(pool)
         report.step_time, report.comm_volume, traces = sections.traces(pool, times)
