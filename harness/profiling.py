@@ -377,10 +377,18 @@ def snapshot_from_chrome_trace(trace: dict, device_type: int = 0) -> dict:
 # Reading snapshots
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Dicts, lists, strings and numbers only, which is all a snapshot holds: a snapshot may come from a
+    run of a file under test, and a pickle that names anything else could run code."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"a memory snapshot holds plain data only, not {module}.{name}")
+
+
 def load_snapshot(path: str | Path) -> dict:
     """Loads a snapshot written by StepProfiler (CPU or CUDA) or torch.cuda.memory._dump_snapshot."""
     with open(path, "rb") as f:
-        return pickle.load(f)
+        return _PlainUnpickler(f).load()
 
 
 def memory_timeline(snapshot: dict, device: int | None = None) -> list[tuple[int, int]]:

@@ -101,13 +101,22 @@ class Ranges:
 # --------------------------------------------------------------------------- reading a trace
 
 
+MAX_TRACE = 1 << 30
+"""bytes of one trace file read (a profiled step of the debug model writes megabytes)"""
+
+
 class Trace:
     """One rank's chrome trace, with the main thread's step and phase ranges."""
 
     def __init__(self, trace: str | Path | dict):
         if not isinstance(trace, dict):
-            with open(trace) as f:
-                trace = json.load(f)
+            with open(trace, "rb") as f:  # a trace may come from a run of a file under test: data, capped
+                text = f.read(MAX_TRACE + 1)
+            if len(text) > MAX_TRACE:
+                raise ValueError(f"{trace} is over {MAX_TRACE} bytes: not a trace of the graded runs")
+            trace = json.loads(text)
+            if not isinstance(trace, dict):
+                raise ValueError(f"{trace} is not a chrome trace (a JSON object)")
         self.data = trace
         self.rank = trace.get("distributedInfo", {}).get("rank")
         self.ranges = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]

@@ -32,9 +32,11 @@ from), a SHA-256 of its payload, and an HMAC of both under a random secret made 
 folder (mode 0600): a stale entry (another key), one copied from another folder (another secret),
 an altered, truncated or unreadable one, or one whose stored files are missing or damaged is never
 used. The payload is a pickle, unpickled only after the HMAC verifies and then only into what FSDP2's
-results are made of (`_Unpickler`): the secret lives in a file that code of the same user could
-read, so a forged entry must not be able to run anything. What is stored is computed on fresh ranks
-that never ran a file under test (checks.run_fsdp2). A failed store only prints why. Stored files (traces) live beside the entries as zlib blobs named by the
+results are made of (`_Unpickler`), so even a forged entry could not run anything. The folder is its
+owner's alone (0700): where the grader is root, the ranks of a file under test run as an
+unprivileged user (harness/tools/sandbox.py), which can neither read the secret nor write an entry;
+on a student's own machine the secret is the student's. What is stored is computed on trusted ranks,
+which never import a file under test (ranks.RankPool's roles; checks.run_fsdp2). A failed store only prints why. Stored files (traces) live beside the entries as zlib blobs named by the
 SHA-256 of their content, which the entry lists and a load checks. Every write is a temporary file
 and an os.replace, so processes running side by side (a grader's pytest processes) never read half
 an entry, and two that compute the same entry both write a whole one.
@@ -168,9 +170,20 @@ def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         raise
 
 
+def _private(where: Path) -> None:
+    """The folder itself, made or kept its owner's alone (0700): the ranks of a file under test run as
+    another user when the grader is root (harness/tools/sandbox.py), and must neither read the secret
+    nor write an entry."""
+    where.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = where.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+        os.chmod(where, 0o700)
+
+
 def _secret(where: Path) -> bytes:
     """This folder's signing secret, made once (readable by its owner only)."""
     path = where / "secret"
+    _private(where)
     try:
         data, st = path.read_bytes(), path.stat()
         if len(data) == 32 and not st.st_mode & 0o077:
@@ -179,7 +192,6 @@ def _secret(where: Path) -> bytes:
               "recomputed)", file=sys.stderr, flush=True)
     except FileNotFoundError:
         pass
-    where.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = where / f".secret.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -234,18 +246,18 @@ def _restore_files(where: Path, listed: dict[str, dict[str, str]], outputs: dict
         path.write_bytes(data)
 
 
-def _rebase(value: Any, old: Path, new: Path) -> Any:
+def rebase(value: Any, old: Path, new: Path) -> Any:
     """Paths under `old` (the stored run's output folder) moved under `new`, as this run's would be."""
     if isinstance(value, Path):
         return new / value.relative_to(old) if value.is_relative_to(old) else value
     if isinstance(value, list):
-        value[:] = [_rebase(v, old, new) for v in value]
+        value[:] = [rebase(v, old, new) for v in value]
     elif isinstance(value, dict):
         for k in value:
-            value[k] = _rebase(value[k], old, new)
+            value[k] = rebase(value[k], old, new)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            object.__setattr__(value, f.name, _rebase(getattr(value, f.name), old, new))
+            object.__setattr__(value, f.name, rebase(getattr(value, f.name), old, new))
     return value
 
 
@@ -274,7 +286,7 @@ def _load(path: Path, key: bytes, secret: bytes, outputs: dict[str, Path | None]
     _restore_files(path.parent, stored["files"], outputs)
     for name, root in outputs.items():
         if root is not None and stored["roots"].get(name):
-            _rebase(stored["value"], Path(stored["roots"][name]), Path(root))
+            rebase(stored["value"], Path(stored["roots"][name]), Path(root))
     return stored["value"]
 
 
@@ -286,13 +298,12 @@ def _load_storage(data: bytes):
 
 
 class _Unpickler(pickle.Unpickler):
-    """Only what FSDP2's results are made of: the harness's and train.py's dataclasses (and the rank
-    jobs' CommLog), containers, paths and CPU tensors. The secret signs entries against accidents and
-    copies, not against code that can read it; this keeps a forged entry from running anything."""
+    """Only what FSDP2's results are made of: the harness's and train.py's dataclasses, containers,
+    paths and CPU tensors, so that even an entry signed by someone who had the secret runs nothing."""
 
     SAFE = {("collections", "OrderedDict"), ("collections", "deque"), ("pathlib", "PosixPath"),
             ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"),
-            ("torch._utils", "_rebuild_tensor_v2"), ("harness.tools.jobs", "CommLog")}
+            ("torch._utils", "_rebuild_tensor_v2")}
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch.storage", "_load_from_bytes"):

@@ -32,7 +32,7 @@ import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
-from harness.tools import similarity
+from harness.tools import sandbox, similarity
 from harness.tools.points import LINES
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/grade.py
@@ -96,6 +96,7 @@ def grade(path: Path, timeout: float, pytest_args: list[str], artifacts: Path | 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # its rank processes too
             proc.communicate()
+            sandbox.sweep()  # as root: what the submission's ranks started in the background
             row["failures"] = f"timed out after {timeout:.0f} s (hung?): no points"
             return row
         if not out.exists():

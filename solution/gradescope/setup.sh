@@ -13,6 +13,11 @@ if ! command -v uv >/dev/null 2>&1; then
 fi
 uv sync --frozen
 uv run --frozen python -m harness.assets
+# The submission's rank processes run as this unprivileged user (harness/tools/sandbox.py): they can
+# read the code and data, but not FSDP2's stored side and its secret, nor write the repository or
+# /autograder/results.
+id -u fsdp-sandbox >/dev/null 2>&1 || useradd --system --user-group --no-create-home --home-dir /nonexistent \
+  --shell /usr/sbin/nologin fsdp-sandbox
 # The skeleton's graded run trains FSDP2 in every case before stopping at its TODOs, so each
 # submission then trains only itself. The entries are keyed by the CPU, threads and versions among
 # the rest: where Gradescope runs submissions on other hardware than it built on, FSDP2 trains again.
