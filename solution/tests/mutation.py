@@ -142,6 +142,140 @@ CHEATS: dict[str, str] = {
 }
 
 
+# --------------------------------------------------------------------------- the process boundary
+# Hostile files that attack the grader from the ranks that import them (harness/tools/ranks.py's
+# sandboxed pools, harness/tools/sandbox.py). The source check refuses each before anything runs; the
+# boundary tests (harness/tests/test_boundary.py) also import them into sandboxed ranks with the
+# source check bypassed, where the process and user boundary alone must hold. Each is a stub FSDP
+# that runs its attack when imported (`BOUNDARY_STUB` gives train.py the names it calls).
+BOUNDARY_STUB = """
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class MixedPrecisionPolicy:
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+def fully_shard(module, **kwargs):
+    raise NotImplementedError("a stub: the attack ran when this file was imported")
+"""
+BOUNDARY_CHEATS: dict[str, str] = {
+    # A rank result whose unpickling would run code in the grader: it finds its rank's channel and
+    # sends a pickle whose __reduce__ would replace the checks with ones that pass.
+    "forged-rank-result": BOUNDARY_STUB + r"""
+import gc
+import pickle
+from multiprocessing.connection import Connection
+
+
+class Passed:
+    def __reduce__(self):
+        return (exec, ("import harness.tools.checks as c\n"
+                       "for n in dir(c):\n"
+                       "    if n.startswith('check_'): setattr(c, n, lambda *a, **k: 'passed')\n",))
+
+
+for conn in [o for o in gc.get_objects() if type(o) is Connection]:
+    for job in range(1, 4):  # whichever job this import runs in
+        try:
+            conn.send_bytes(pickle.dumps((job, "ok", [Passed()], "")))
+        except OSError:
+            pass
+""",
+    # FSDP2's stored side rewritten: the secret read, every entry's losses rounded and signed again.
+    "store-rewrite": BOUNDARY_STUB + r"""
+import hashlib
+import hmac
+import pickle
+
+from harness.tools import fsdp2_cache
+
+try:
+    where = fsdp2_cache.folder()
+    secret = (where / "secret").read_bytes()
+    for path in where.glob("*.entry"):
+        data = path.read_bytes()
+        head, mac, body = data.split(b"\n", 2)
+        key, digest, payload = body.split(b"\n", 2)
+        payload = payload.replace(b"\x00", b"\x01")
+        body = key + b"\n" + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+        path.write_bytes(head + b"\n" + hmac.new(secret, body, "sha256").hexdigest().encode() + b"\n" + body)
+    (where / "secret").write_bytes(b"0" * 32)
+except OSError as e:
+    print(f"store-rewrite: refused: {e}")
+""",
+    # The runtime detectors switched off from inside the rank, then FSDP2 itself as the FSDP.
+    "detectors-off-fsdp2": r"""
+from harness.tools import handwritten, jobs
+
+handwritten.model_problem = handwritten.module_problem = handwritten.stack_problem = lambda *a, **k: None
+_dispatch = jobs.CommLog.__torch_dispatch__
+
+
+def _quiet(self, *args, **kwargs):
+    out = _dispatch(self, *args, **kwargs)
+    self.fsdp2 = None
+    return out
+
+
+jobs.CommLog.__torch_dispatch__ = _quiet
+jobs.fsdp2_problem = lambda *a, **k: None
+
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+""",
+    # Writes where the grader keeps its verdict and code: Gradescope's results.json, the points JSON
+    # (its path read from pytest's command line), the repository's files, the store.
+    "write-protected": BOUNDARY_STUB + r"""
+import json
+import os
+from pathlib import Path
+
+import harness
+
+root = Path(harness.__file__).resolve().parents[1]
+forged = json.dumps({"score": 13, "output": "forged", "tests": []})
+targets = [Path(os.environ.get("AUTOGRADER_ROOT", "/autograder")) / "results" / "results.json",
+           root / "test.py", root / "harness" / "tools" / "checks.py", root / ".cache" / "fsdp2" / "forged.entry"]
+for pid in os.listdir("/proc"):
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        continue
+    for flag, value in zip(args, args[1:]):
+        if flag == b"--points-json":
+            targets.append(Path(value.decode()))
+        elif flag.startswith(b"--points-json="):
+            targets.append(Path(flag.split(b"=", 1)[1].decode()))
+for target in targets:
+    try:
+        with open(target, "a") as f:
+            f.write(forged)
+        print(f"write-protected: wrote {target}")
+    except OSError as e:
+        print(f"write-protected: refused: {target}: {e}")
+""",
+    # A background process that outlives its rank (double fork, its own session) and would write
+    # later, once the grader reads what it wrote.
+    "background-process": BOUNDARY_STUB + r"""
+import os
+import time
+
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(3600)
+    os._exit(0)
+""",
+}
+CHEATS.update(BOUNDARY_CHEATS)
+
+
 def write_mutant(folder: Path, name: str, changes: list[tuple[str, str]] | None = None) -> str:
     """Write mutant or cheat NAME as FOLDER/NAME.py and return its path. A mutant is
     solution/fsdp.py with each (snippet, replacement) of MUTANTS[name] (or `changes`) applied;

@@ -1,0 +1,313 @@
+"""The process and user boundary between the grader and a file under test, tested without the source
+check: hostile jobs and the boundary mutants of solution/tests/mutation.py are run on sandboxed ranks
+directly (checks.check_forward and RankPool.run never read the source), as if a file had found a way
+past it. The grader must unpickle nothing such a rank sent, refuse a malformed result naming what was
+wrong, keep the store, the repository and the points JSON byte-identical, and leave no process behind.
+The user half (sandbox.py) holds where the grader is root, as in CI and on Gradescope; elsewhere its
+tests skip (a student's own run has nothing of anyone else's to protect)."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.tools import checks, handwritten, jobs, policy, sandbox, wire
+from harness.tools.ranks import RankError, RankPool, Ranks, Refused
+from solution.tests.mutation import write_mutant
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTION = ROOT / "solution" / "fsdp.py"
+as_root = pytest.mark.skipif(not sandbox.wanted(), reason="the sandbox user is taken only when the grader is root")
+
+
+# --------------------------------------------------------------------------- hostile jobs (run in the ranks)
+
+
+MARKER = Path(os.environ.get("TMPDIR", "/tmp")) / f"fsdp-boundary-{os.getpid()}"
+
+
+class RunsCode:
+    """Unpickled, it runs code: it creates the file named."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path, 0o777, True))
+
+
+def _channel() -> Connection:
+    return next(o for o in gc.get_objects() if type(o) is Connection and not o.closed)
+
+
+def forge_pickle_job(job: int, path: str) -> int:
+    """Sends, on this rank's channel, a pickled result whose unpickling would run code."""
+    _channel().send_bytes(pickle.dumps((job, "ok", RunsCode(path), "")))
+    return 0
+
+
+def forge_fields_job(job: int) -> jobs.Run:
+    """Sends a Run whose comm log holds text where numbers belong."""
+    header = ('{"job": %d, "status": "ok", "value": {"result": null, "digests": [], "problems": [], "comm": '
+              '{"events": [[1, "forward", "all_gather", "float32", "many"]], "fsdp2": null}, "fsdp2": null, '
+              '"forward_loss": 4.09}, "traceback": ""}' % job).encode()
+    _channel().send_bytes(struct.pack("<Q", len(header)) + header)
+    return None
+
+
+def wrong_type_job() -> jobs.Run:
+    return "passed"
+
+
+def undeclared_job():
+    return 0
+
+
+@dataclass
+class Identity:
+    uid: int
+    gid: int
+    groups: list[int]
+    home: str
+    tmp: str
+    refused: list[str]
+    """the protected paths this rank could not read or write"""
+
+
+def identity_job(reads: list[str], writes: list[str]) -> Identity:
+    import tempfile
+
+    refused = []
+    for path in reads:
+        try:
+            Path(path).read_bytes()
+        except OSError:
+            refused.append(path)
+    for path in writes:
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError:
+            refused.append(path)
+    return Identity(os.getuid(), os.getgid(), os.getgroups(), os.environ["HOME"], tempfile.gettempdir(), refused)
+
+
+def background_job() -> int:
+    """Leaves a process in its own session that would outlive the rank; returns its pid."""
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if (pid := os.fork()) == 0:
+            time.sleep(600)
+            os._exit(0)
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    return int(os.read(r, 32))
+
+
+def plant_job(cfg) -> int:
+    """Writes a trace, a link to a file it may not read, and a link out of its folder."""
+    folder = Path(cfg.traces_dir)
+    if os.environ["RANK"] != "0":
+        return 0
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rank0.json").write_text('{"traceEvents": []}')
+    (folder / "secret.json").symlink_to("/etc/shadow")
+    (folder / "out").symlink_to("/")
+    return 0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def digest_tree(*roots: Path) -> dict[str, str]:
+    """sha256 of every file under the roots (a file alone is its own root)."""
+    out = {}
+    for root in roots:
+        for p in [root] if root.is_file() else sorted(root.rglob("*")) if root.exists() else []:
+            if p.is_file() and not p.is_symlink():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def protected() -> list[Path]:
+    """What a file under test must never change: the repository's code and the FSDP2 store."""
+    return [ROOT / "test.py", ROOT / "train.py", ROOT / "conftest.py", ROOT / "harness", ROOT / "solution",
+            Path(os.environ.get("FSDP2_CACHE_DIR") or ROOT / ".cache" / "fsdp2")]
+
+
+def sandbox_processes() -> list[int]:
+    if not sandbox.wanted():
+        return []
+    uid, _ = sandbox.account()
+    return [p.pid for p in psutil.process_iter(["uids", "status"])
+            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def ranks():
+    with Ranks(2) as r:
+        yield r
+
+
+# --------------------------------------------------------------------------- results are data
+
+
+def test_pickled_result_is_refused_and_never_unpickled(ranks, tmp_path):
+    """A rank that sends a pickle (whose unpickling would run code) gets its result refused, and the
+    code never runs in the grader. On a pool that unpickles (a student's own tools), it would."""
+    marker = tmp_path / "unpickled"
+    pool = ranks.sandboxed
+    with pytest.raises(Refused, match=r"the result of rank \d \(forge_pickle_job\) was refused: .*header"):
+        pool.run(forge_pickle_job, 1, str(marker), timeout=60)
+    assert not marker.exists(), "the grader unpickled a rank's result"
+    assert pool.closed, "a pool whose rank sent garbage must be shut down"
+    with RankPool(2, role="own") as own:  # the channel this boundary replaces: the same bytes run code
+        own.run(forge_pickle_job, 1, str(marker), timeout=60)
+    assert marker.exists(), "the control: unpickling this result runs code"
+
+
+def test_malformed_result_names_what_is_wrong(ranks):
+    with pytest.raises(Refused, match=r"result\.comm\.events\[0\]\[4\] is str, not int"):
+        ranks.sandboxed.run(forge_fields_job, 1, timeout=60)
+
+
+def test_result_of_another_type_fails_that_job(ranks):
+    with pytest.raises(RankError, match=r"(?s)wrong_type_job's result cannot be sent as data.*str where Run is declared"):
+        ranks.sandboxed.run(wrong_type_job, timeout=60)
+    assert not ranks.sandboxed.closed  # an honest error: the pool goes on
+    with pytest.raises(TypeError, match="has no return annotation"):
+        ranks.sandboxed.run(undeclared_job)
+
+
+def test_trusted_ranks_never_import_a_file_under_test(ranks):
+    with pytest.raises(RankError, match="a file under test is never imported into it"):
+        ranks.trusted.run(jobs.forward_job, policy.config(str(SOLUTION)))
+
+
+def test_graded_jobs_go_to_the_sandbox(ranks):
+    """The same check as test.py's: FSDP2 on the trusted pool, the file under test in the sandbox."""
+    checks.check_forward(ranks, str(SOLUTION), "float32", "float32")
+    assert "sandboxed" in ranks._pools and not ranks.sandboxed.closed
+
+
+def test_written_files_come_back_as_plain_files(ranks, tmp_path):
+    cfg = policy.config(str(SOLUTION), traces_dir=tmp_path / "traces")
+    ranks.sandboxed.run(plant_job, cfg, timeout=60)
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["rank0.json"]
+
+
+# --------------------------------------------------------------------------- the unprivileged user
+
+
+@as_root
+def test_sandboxed_ranks_run_unprivileged(ranks, tmp_path):
+    private = tmp_path / "points.json"
+    private.write_text("{}")
+    store = Path(os.environ.get("FSDP2_CACHE_DIR") or ROOT / ".cache" / "fsdp2")
+    checks.run_fsdp2(ranks, jobs.forward_job, policy.config())  # the store holds a secret and an entry
+    reads = [str(store / "secret"), *map(str, store.glob("*.entry")), str(private)]
+    writes = [*reads, str(ROOT / "test.py"), str(ROOT / "harness" / "tools" / "checks.py"), str(store / "forged.entry")]
+    before = digest_tree(*protected(), private)
+    identity = ranks.sandboxed.run(identity_job, reads, writes, timeout=60)[0]
+    uid, gid = sandbox.account()
+    assert (identity.uid, identity.gid, identity.groups) == (uid, gid, []), identity
+    assert identity.home.startswith(str(ranks.sandboxed.private.root)) and \
+        identity.tmp.startswith(str(ranks.sandboxed.private.root)), identity
+    assert sorted(identity.refused) == sorted(reads + writes), identity
+    assert digest_tree(*protected(), private) == before
+
+
+@as_root
+def test_background_process_does_not_outlive_its_pool():
+    pool = RankPool(2, role="sandboxed")
+    left = pool.run(background_job, timeout=60)
+    assert all(psutil.pid_exists(pid) for pid in left)
+    pool.close()
+    assert not [pid for pid in left if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not sandbox_processes(), sandbox_processes()
+
+
+# --------------------------------------------------------------------------- the boundary mutants
+
+
+@pytest.fixture(scope="module")
+def boundary_mutant(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("boundary_mutants")
+    return lambda name: write_mutant(folder, name)
+
+
+def test_forged_rank_result_is_refused(boundary_mutant):
+    before = {name: getattr(checks, name) for name in dir(checks) if name.startswith("check_")}
+    with Ranks(2) as ranks, pytest.raises(Refused, match="was refused"):
+        checks.check_forward(ranks, boundary_mutant("forged-rank-result"), "float32", "float32")
+    assert {name: getattr(checks, name) for name in before} == before, "the grader's checks were replaced"
+
+
+def test_detectors_switched_off_stay_on_in_the_grader(boundary_mutant):
+    """Switched off inside its ranks, the runtime detectors still run in the grader's own processes;
+    what the file's ranks report about themselves is theirs to forge, so the verdict on FSDP2 rests on
+    the source check (which refuses this file) and on the trusted side computing FSDP2's numbers."""
+    path = boundary_mutant("detectors-off-fsdp2")
+    assert handwritten.static_problem(Path(path)) is not None
+    originals = (handwritten.model_problem, handwritten.stack_problem, jobs.CommLog.__torch_dispatch__)
+    before = digest_tree(*protected())
+    with Ranks(2) as ranks:
+        checks.run(ranks, jobs.forward_job, policy.config(path))
+    assert (handwritten.model_problem, handwritten.stack_problem, jobs.CommLog.__torch_dispatch__) == originals
+    assert digest_tree(*protected()) == before
+
+
+@as_root
+def test_store_rewrite_changes_no_later_verdict(boundary_mutant, tmp_path, monkeypatch):
+    """A batch graded with the store-rewriting file first: the store stays byte-identical, and the
+    reference's verdict is the one it gets alone."""
+    verdicts = {}
+    for order in ("alone", "after"):
+        monkeypatch.setenv("FSDP2_CACHE_DIR", str(tmp_path / order))
+        with Ranks(2) as ranks:
+            checks.check_forward(ranks, str(SOLUTION), "float32", "float32")  # the store is filled
+            before = digest_tree(tmp_path / order)
+            if order == "after":
+                with pytest.raises(RankError, match="NotImplementedError: a stub"):
+                    checks.check_forward(ranks, boundary_mutant("store-rewrite"), "float32", "float32")
+                assert digest_tree(tmp_path / order) == before
+            verdicts[order] = checks.check_forward(ranks, str(SOLUTION), "float32", "float32")
+            assert digest_tree(tmp_path / order) == before
+    assert verdicts["after"] == verdicts["alone"]
+
+
+@as_root
+def test_protected_files_cannot_be_written(boundary_mutant, tmp_path):
+    """The repository, the store and a points JSON whose path the file reads from a command line."""
+    folder = Path(__import__("tempfile").mkdtemp())  # root's 0700, as grade's points folder
+    points = folder / "points.json"
+    points.write_text('{"rows": []}')
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--points-json", str(points)])
+    try:
+        before = digest_tree(*protected(), points)
+        with Ranks(2) as ranks, pytest.raises(RankError, match="NotImplementedError: a stub"):
+            checks.check_forward(ranks, boundary_mutant("write-protected"), "float32", "float32")
+        assert digest_tree(*protected(), points) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@as_root
+def test_background_process_of_a_file_is_killed(boundary_mutant):
+    with Ranks(2) as ranks, pytest.raises(RankError, match="NotImplementedError: a stub"):
+        checks.check_forward(ranks, boundary_mutant("background-process"), "float32", "float32")
+    assert not sandbox_processes(), sandbox_processes()
