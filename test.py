@@ -59,7 +59,9 @@ def test_fsdp(impl, world, param_dtype, reduce_dtype, request, evidence):
 @pytest.fixture(scope="module")
 def profiles(pool2, impl, artifacts, tmp_path_factory):
     """One profiled run each of FSDP2 and the hand-written FSDP, shared by tasks 2 and 3 (kept in
-    DIR/profiles with --artifacts DIR)."""
+    DIR/profiles with --artifacts DIR). A module fixture is set up before the autouse check above, so
+    it makes that check itself: no file is run before its source was read."""
+    checks.check_not_fsdp2(pool2, impl)
     return checks.profile_both(pool2, impl, artifacts / "profiles" if artifacts else tmp_path_factory.mktemp("profiles"))
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import os
 import pickle
 import struct
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -25,7 +27,7 @@ import pytest
 
 from harness.tools import checks, handwritten, jobs, policy, sandbox, wire
 from harness.tools.ranks import RankError, RankPool, Ranks, Refused
-from solution.tests.mutation import write_mutant
+from solution.tests.mutation import BOUNDARY_CHEATS, write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solution" / "fsdp.py"
@@ -311,3 +313,30 @@ def test_background_process_of_a_file_is_killed(boundary_mutant):
     with Ranks(2) as ranks, pytest.raises(RankError, match="NotImplementedError: a stub"):
         checks.check_forward(ranks, boundary_mutant("background-process"), "float32", "float32")
     assert not sandbox_processes(), sandbox_processes()
+
+
+# --------------------------------------------------------------------------- as graders run them
+
+
+@pytest.mark.parametrize("name", list(BOUNDARY_CHEATS))
+def test_boundary_mutant_scores_zero(boundary_mutant, name, tmp_path):
+    """`pytest test.py --impl FILE` as graders run it: every line 0, each saying why the file was
+    refused, the protected files byte-identical, nothing left running."""
+    from solution.tests.test_gradescope import left_running
+
+    points = tmp_path / "points.json"
+    marker = uuid.uuid4().hex
+    before = digest_tree(*protected())
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "test.py"),
+                           "--impl", boundary_mutant(name), "--points-json", str(points)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "AUTOGRADER_TEST_RUN": marker})
+    rows = json.loads(points.read_text())["rows"]
+    assert all(r["earned"] == 0 for r in rows), rows
+    refusal = handwritten.verdict(handwritten.static_problem(Path(boundary_mutant(name))))
+    assert all(refusal.split(" (")[0] in r["evidence"] for r in rows), (rows, proc.stdout[-2000:])
+    assert digest_tree(*protected()) == before
+    deadline = time.monotonic() + 15
+    while left_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left_running(marker) and not sandbox_processes(), left_running(marker)
