@@ -9,7 +9,6 @@ tests skip (a student's own run has nothing of anyone else's to protect)."""
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import os
 import pickle
@@ -25,8 +24,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.tools import checks, handwritten, jobs, policy, sandbox, wire
+from harness.tools import checks, handwritten, jobs, policy, sandbox
 from harness.tools.ranks import RankError, RankPool, Ranks, Refused
+from solution.tests.boundary import digest_tree, sandbox_processes
 from solution.tests.mutation import BOUNDARY_CHEATS, write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,28 +134,10 @@ def plant_job(cfg) -> int:
 # --------------------------------------------------------------------------- helpers
 
 
-def digest_tree(*roots: Path) -> dict[str, str]:
-    """sha256 of every file under the roots (a file alone is its own root)."""
-    out = {}
-    for root in roots:
-        for p in [root] if root.is_file() else sorted(root.rglob("*")) if root.exists() else []:
-            if p.is_file() and not p.is_symlink():
-                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
 def protected() -> list[Path]:
     """What a file under test must never change: the repository's code and the FSDP2 store."""
     return [ROOT / "test.py", ROOT / "train.py", ROOT / "conftest.py", ROOT / "harness", ROOT / "solution",
             Path(os.environ.get("FSDP2_CACHE_DIR") or ROOT / ".cache" / "fsdp2")]
-
-
-def sandbox_processes() -> list[int]:
-    if not sandbox.wanted():
-        return []
-    uid, _ = sandbox.account()
-    return [p.pid for p in psutil.process_iter(["uids", "status"])
-            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """The Gradescope bundle, end to end: built by the release command, unpacked fresh as Gradescope does
 (into ROOT/source, run_autograder copied to ROOT/run_autograder), set up by its own setup.sh, and
-run_autograder run on five submissions with ROOT redirected (AUTOGRADER_ROOT): the reference (13),
+run_autograder run on submissions with ROOT redirected (AUTOGRADER_ROOT): the reference (13),
 the skeleton (0, its TODO named), a file that hangs (0, timed out, nothing left running), one that
-does not compile (0, its line named) and FSDP2 re-exported (0)."""
+does not compile (0, its line named), FSDP2 re-exported (0), and each attack on the process boundary
+(0, nothing it could write changed, nothing left; as root its ranks run as the sandbox user)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from harness.tests.test_gradescope import assert_gradescope_format
 from harness.tools.points import LINES, TOTAL
 from solution import make_skeleton, release
 from solution.release import ReleaseError
-from solution.tests.mutation import CHEATS
+from solution.tests.boundary import digest_tree, sandbox_processes
+from solution.tests.mutation import BOUNDARY_CHEATS, CHEATS
 from solution.tests.test_release import show, uv
 
 HANG = '''"""Hangs in fully_shard: the autograder must stop it."""
@@ -203,3 +205,19 @@ def test_run_autograder_writes_a_result_when_the_tool_cannot_start(tmp_path):
                           env={**os.environ, "AUTOGRADER_ROOT": str(tmp_path)})
     doc = json.loads((tmp_path / "results" / "results.json").read_text())
     assert doc["score"] == 0 and "the autograder could not start (exit 1)" in doc["output"], (doc, show(proc))
+
+
+@pytest.mark.parametrize("name", list(BOUNDARY_CHEATS))
+def test_boundary_mutant_scores_zero(autograder, name):
+    """Each attack on the grader from the submission's own processes (solution/tests/mutation.py):
+    0 on every line with the refusal, results.json the tool's own, the repository and FSDP2's stored
+    side byte-identical, nothing left running (autograde), no process of the sandbox user either."""
+    repo = autograder / "source" / "repository"
+    kept = [repo / "test.py", repo / "train.py", repo / "harness", repo / ".cache" / "fsdp2", autograder / "run_autograder"]
+    before = digest_tree(*kept)
+    doc, _ = autograde(autograder, {"fsdp.py": CHEATS[name]})
+    assert doc["score"] == 0 and "forged" not in json.dumps(doc), doc
+    assert all("reaches beyond a hand-written FSDP" in t["output"] or "uses PyTorch's FSDP2" in t["output"]
+               for t in lines(doc)), doc["tests"]
+    assert digest_tree(*kept) == before
+    assert not sandbox_processes(), sandbox_processes()
