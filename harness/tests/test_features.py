@@ -24,15 +24,14 @@ from harness.tools import checks, compare, jobs, policy
 from harness.tools.policy import PRECISIONS
 from harness.distributed import current_device
 from harness.errors import ConfigError
-from harness.tools.ranks import RankError, RankPool
+from harness.tools.ranks import RankError, Ranks
 from harness.tests.test_platform import skip_unfinished
 
 
 @pytest.fixture(scope="module")
 def pool1():
-    pool = RankPool(1, device="cpu")
-    yield pool
-    pool.close()
+    with Ranks(1, device="cpu") as pool:
+        yield pool
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +63,7 @@ class Recompute(nn.Module):
         return self.block.init_weights(*args, **kwargs)
 
 
-def recompute_outside_job(cfg: train.Config):
+def recompute_outside_job(cfg: train.Config) -> jobs.Run:
     """train_job with every already-wrapped block called under torch.utils.checkpoint."""
     original = train.apply_fsdp
 

@@ -12,11 +12,12 @@ from harness.tools import sandbox
 
 
 def digest_tree(*roots: Path) -> dict[str, str]:
-    """sha256 of every file under the roots (a file alone is its own root)."""
+    """sha256 of every file under the roots (a file alone is its own root), but the bytecode Python
+    caches beside the sources (written by the grader's own imports)."""
     out = {}
     for root in roots:
         for p in [root] if root.is_file() else sorted(root.rglob("*")) if root.exists() else []:
-            if p.is_file() and not p.is_symlink():
+            if p.is_file() and not p.is_symlink() and "__pycache__" not in p.parts:
                 out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 

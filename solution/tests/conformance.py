@@ -180,7 +180,19 @@ def train_job(model: str, impl: str | None, param_dtype: str, reduce_dtype: str,
     return run
 
 
-def unshard_job(model: str, impl: str | None, param_dtype: str, async_op: bool) -> list[dict]:
+@dataclasses.dataclass
+class Unsharded:
+    """What the modules held after unshard (full tensors and requires_grad) and reshard (shards)."""
+
+    when: str
+    full: dict[str, tuple[torch.Tensor, bool]]
+    shards: dict[str, torch.Tensor]
+
+    def __getitem__(self, field: str):
+        return getattr(self, field)
+
+
+def unshard_job(model: str, impl: str | None, param_dtype: str, async_op: bool) -> list[Unsharded]:
     """FSDPModule.unshard()/reshard() by hand on every FSDP module, right after wrapping and again
     after a training step: what the modules hold after each (full tensors, then shards again)."""
     fsdp, net = wrap(model, impl, param_dtype, param_dtype)
@@ -210,7 +222,7 @@ def unshard_job(model: str, impl: str | None, param_dtype: str, async_op: bool) 
         for name, p in net.named_parameters():
             assert isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),), f"{when}: reshard left {name} a {type(p)}"
             shards[name] = p.to_local().detach().clone()
-        seen.append({"when": when, "full": full, "shards": shards})
+        seen.append(Unsharded(when, full, shards))
     return seen
 
 

@@ -318,7 +318,10 @@ def test_boundary_mutant_scores_zero(boundary_mutant, name, tmp_path):
     refusal = handwritten.verdict(handwritten.static_problem(Path(boundary_mutant(name))))
     assert all(refusal.split(" (")[0] in r["evidence"] for r in rows), (rows, proc.stdout[-2000:])
     assert digest_tree(*protected()) == before
-    deadline = time.monotonic() + 15
+    assert not sandbox_processes(), sandbox_processes()
+    # The forkserver pytest started leaves once it has finished importing torchtitan (a refused file
+    # can end the session first): seconds on an idle machine, more on a loaded one.
+    deadline = time.monotonic() + 120
     while left_running(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left_running(marker) and not sandbox_processes(), left_running(marker)
+    assert not left_running(marker), left_running(marker)

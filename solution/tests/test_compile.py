@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+import train
 from harness.tools import checks, compare, jobs, policy
 from harness.tools.ranks import RankError
 from solution import make_skeleton
@@ -21,7 +22,7 @@ from solution.tests.mutation import COMPILED_HOOKS, write_mutant
 REFERENCE = str(make_skeleton.SOLUTION)
 
 
-def compiled_job(cfg):
+def compiled_job(cfg: train.Config) -> tuple[jobs.Run, int]:
     """train_job (unobserved: no Python dispatch mode around the compiled code), and how many graphs
     dynamo compiled meanwhile (0 would mean nothing was compiled)."""
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
