@@ -245,14 +245,13 @@ class RankPool:
         import shutil
 
         import train
-        from harness.tools import sandbox
 
         staged = []
 
         def file(name: str) -> str:
             path = impl.impl_path(name)
-            inside = self.private.root / "impl" / hashlib.sha256(str(path).encode()).hexdigest()[:12] / path.name
-            inside.parent.mkdir(parents=True, exist_ok=True)
+            inside = self.private.impl / hashlib.sha256(str(path).encode()).hexdigest()[:12] / path.name
+            inside.parent.mkdir(mode=0o755, exist_ok=True)
             shutil.copyfile(path, inside)
             staged.append((inside, path))
             return str(inside)
@@ -263,9 +262,7 @@ class RankPool:
                 moved = {}
                 for name in OUTPUTS:
                     if (outside := getattr(a, name)) is not None:
-                        inside = self.private.out / f"{self._jobs + 1}-{name}"
-                        if Path(outside).is_dir():
-                            sandbox.give(Path(outside), inside, self.private)
+                        inside = self.private.output(f"{self._jobs + 1}-{name}", Path(outside))
                         staged.append((inside, Path(outside)))
                         moved[name] = inside
                 if a.fsdp == "effdl":

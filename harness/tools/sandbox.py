@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import shutil
 import stat
 import subprocess
@@ -66,8 +67,10 @@ def account() -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Private:
-    """A sandboxed pool's own folder, owned by the sandbox user (or, not root, by the caller):
-    home/ (HOME), tmp/ (TMPDIR) and out/ (where its runs write their files)."""
+    """A sandboxed pool's own folder. Its root, out/ and impl/ are the grader's (passable, not listable
+    by the sandbox user: nothing in them can be renamed or replaced by a link under the grader's
+    writes); home/ (HOME) and tmp/ (TMPDIR) are the sandbox user's. out/ holds one folder per output of
+    a run, under a name no one else knows, handed to the sandbox user; impl/ the file under test."""
 
     root: Path
     uid: int | None
@@ -85,19 +88,35 @@ class Private:
     def out(self) -> Path:
         return self.root / "out"
 
+    @property
+    def impl(self) -> Path:
+        return self.root / "impl"
+
     @classmethod
     def make(cls) -> Private:
         uid, gid = account() if wanted() else (None, None)
         if uid is not None:
             reachable()
-        root = Path(tempfile.mkdtemp(prefix="fsdp-sandbox-"))  # 0700, root's until everything in it is made
-        for sub in ("home", "tmp", "out"):
-            (root / sub).mkdir(mode=0o700)
-            if uid is not None:
+        root = Path(tempfile.mkdtemp(prefix="fsdp-sandbox-"))
+        for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
+            (root / sub).mkdir()
+            os.chmod(root / sub, mode)
+            if uid is not None and sub in ("home", "tmp"):
                 os.chown(root / sub, uid, gid)
-        if uid is not None:
-            os.chown(root, uid, gid)
+        os.chmod(root, 0o711)
         return cls(root, uid, gid)
+
+    def output(self, name: str, src: Path | None) -> Path:
+        """A new folder in out/ for one output of a run, holding a copy of `src`'s files (the grader's,
+        e.g. a checkpoint to resume), then handed to the sandbox user."""
+        folder = self.out / f"{name}-{secrets.token_hex(8)}"
+        folder.mkdir(mode=0o700)
+        if src is not None and src.is_dir():
+            shutil.copytree(src, folder, symlinks=False, dirs_exist_ok=True)
+        if self.uid is not None:
+            for path in [folder, *folder.rglob("*")]:
+                os.lchown(path, self.uid, self.gid)
+        return folder
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)  # never follows a link the sandbox left in it
@@ -121,23 +140,24 @@ def reachable() -> None:
 
 def enter(private: Private) -> None:
     """In a freshly forked rank, before any file under test is imported: become the sandbox user for
-    good, with the private HOME and TMPDIR. Not root: only HOME and TMPDIR change."""
-    if private.uid is not None:
-        os.setgroups([])
-        os.setgid(private.gid)
-        os.setuid(private.uid)
-        if os.getuid() != private.uid or os.geteuid() != private.uid or os.getegid() != private.gid:
-            raise SandboxError(f"could not become {USER}")
-        try:
-            os.setuid(0)
-        except PermissionError:
-            pass
-        else:
-            raise SandboxError(f"{USER} could become root again")
-        # PR_SET_NO_NEW_PRIVS: no setuid program (su, sudo) gives privileges back
-        if ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0) != 0:
-            raise SandboxError("prctl(PR_SET_NO_NEW_PRIVS) failed")
-        os.environ.update(USER=USER, LOGNAME=USER)
+    good, with the private HOME and TMPDIR. Not root: nothing changes (the student's own run)."""
+    if private.uid is None:
+        return
+    os.setgroups([])
+    os.setgid(private.gid)
+    os.setuid(private.uid)
+    if os.getuid() != private.uid or os.geteuid() != private.uid or os.getegid() != private.gid:
+        raise SandboxError(f"could not become {USER}")
+    try:
+        os.setuid(0)
+    except PermissionError:
+        pass
+    else:
+        raise SandboxError(f"{USER} could become root again")
+    # PR_SET_NO_NEW_PRIVS: no setuid program (su, sudo) gives privileges back
+    if ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0) != 0:
+        raise SandboxError("prctl(PR_SET_NO_NEW_PRIVS) failed")
+    os.environ.update(USER=USER, LOGNAME=USER)
     cache = private.home / ".cache"
     os.environ.update(HOME=str(private.home), TMPDIR=str(private.tmp), XDG_CACHE_HOME=str(cache),
                       HF_HOME=str(cache / "huggingface"), HF_DATASETS_CACHE=str(cache / "huggingface" / "datasets"))
@@ -187,14 +207,6 @@ def copy_back(src: Path, dest: Path) -> None:
         walk(fd, Path(dest))
     finally:
         os.close(fd)
-
-
-def give(src: Path, dest: Path, private: Private) -> None:
-    """Copy the files under `src` (the grader's) into `dest` in the sandbox, owned by the sandbox user."""
-    shutil.copytree(src, dest, symlinks=False, dirs_exist_ok=True)
-    if private.uid is not None:
-        for path in [dest, *dest.rglob("*")]:
-            os.lchown(path, private.uid, private.gid)
 
 
 # --------------------------------------------------------------------------- processes left behind
