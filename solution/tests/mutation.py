@@ -207,7 +207,7 @@ try:
         body = key + b"\n" + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
         path.write_bytes(head + b"\n" + hmac.new(secret, body, "sha256").hexdigest().encode() + b"\n" + body)
     (where / "secret").write_bytes(b"0" * 32)
-except OSError as e:
+except (OSError, ValueError) as e:
     print(f"store-rewrite: refused: {e}")
 """,
     # The runtime detectors switched off from inside the rank, then FSDP2 itself as the FSDP.
