@@ -21,6 +21,7 @@ import ast
 import enum
 import functools
 import importlib
+import inspect
 import os
 import string
 import sys
@@ -268,16 +269,19 @@ class _Check:
         return f"{self.filename}:{getattr(node, 'lineno', '?')}"
 
     def problem(self) -> str | None:
-        for node in ast.walk(self.tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and (problem := self.import_problem(node)):
-                return problem
+        """The file's first problem in reading order (an import's, or any other line's above it)."""
+        imports = sorted((n for n in ast.walk(self.tree) if isinstance(n, (ast.Import, ast.ImportFrom))),
+                         key=_position)
+        refused = next(((node, p) for node in imports if (p := self.import_problem(node))), None)
         self.collect_own_names()
         # In the order of the source, an inner expression before the one around it: `torch.os.system`
         # is refused for `.os`, the module it reaches, not for `.system`.
         for node in sorted(ast.walk(self.tree), key=_position):
+            if refused and _position(node) >= _position(refused[0]):
+                break
             if problem := self.node_problem(node):
                 return problem
-        return None
+        return refused[1] if refused else None
 
     # ------------------------------------------------------------------------------ imports
 
@@ -359,8 +363,8 @@ class _Check:
         if not (isinstance(node, ast.Name) and node.id in self.imported):
             return None
         value = self.imported[node.id]
-        for attr in reversed(chain):
-            value = getattr(value, attr, None)
+        for attr in reversed(chain):  # statically: reading the file runs no lazy import of torch's
+            value = inspect.getattr_static(value, attr, None)
         return value
 
     def foreign_value(self, node: ast.AST) -> bool:
@@ -390,8 +394,9 @@ class _Check:
 
     # ------------------------------------------------------------------------------ every node
 
-    def attribute_problem(self, name: str, node: ast.AST, imported: bool = False) -> str | None:
-        """`name` read or written as an attribute (or imported from a module) is not allowed."""
+    def attribute_problem(self, name: str, node: ast.AST, imported: bool = False, base=None) -> str | None:
+        """`name` read or written as an attribute (of `base`, where known) or imported from a module
+        is not allowed."""
         where = self.where(node)
         if name in _FSDP2_NAMES:
             return f"{where} uses `{name}`: {ADVICE[name]}"
@@ -410,7 +415,9 @@ class _Check:
             return Outside(f"{where} uses `.{name}`, an attribute of frames, code objects or generators' internals, "
                            "which a hand-written FSDP does not need; " + _ARGS)
         if name in self.modules:
-            return Outside(f"{where} uses `.{name}`, which is the module {self.modules[name]} there: an FSDP "
+            module = inspect.getattr_static(base, name, None) if base is not None else None
+            module = module.__name__ if isinstance(module, types.ModuleType) else self.modules[name]
+            return Outside(f"{where} uses `.{name}`, which is the module {module} there: an FSDP "
                            f"reaches no module but those it imports; {_COMPUTED} (and name your own attributes "
                            "otherwise)")
         if name in self.names.api or (name in self.own and not imported and name not in self.names.introspected):
@@ -465,7 +472,7 @@ class _Check:
                 if node.attr not in OS_ATTRS:
                     return Outside(f"{where} uses os.{node.attr}: of os an FSDP may read only "
                                    f"{', '.join(sorted(OS_ATTRS))} (settings, not files or processes)")
-            elif problem := self.attribute_problem(node.attr, node):
+            elif problem := self.attribute_problem(node.attr, node, base=base):
                 return problem
             return None if isinstance(node.ctx, ast.Load) else self.write_problem(node, "writes")
         if isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load):
