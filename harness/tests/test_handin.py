@@ -30,3 +30,15 @@ def test_attempted_bonuses(tmp_path):
     f.write_text("# TODO(bonus1)\n# TODO(bonus2)\n")
     assert handin.attempted_bonuses(f, None) == ["bonus3"]
     assert handin.attempted_bonuses(f, {"rows": [{"task": "bonus 1", "earned": 1}]}) == ["bonus1", "bonus3"]
+
+
+def test_summary_shows_the_submissions_text_as_text():
+    """The file name, the evidence and a run's error are the submission's words: on the page they
+    are text (no link, image, HTML or table cell of theirs), and read as written."""
+    hostile = "<script>x</script> ![i](http://e/x.png) [a](javascript:x) | **b** `c`"
+    points = {"rows": [{"task": "task 2", "earned": 0, "max": 2, "evidence": hostile}]}
+    page = handin.summary(Path("<b>fsdp.py"), True, points, [], ["tasks"], [hostile], "memory.png: drawn",
+                          [f"tasks, effdl: RuntimeError: {hostile}"])
+    assert "<" not in page and "](" not in page.replace("\\](", ""), page
+    assert page.count("|") - page.count("\\|") == 4 * 4, page  # the table's own bars: 4 rows of 4
+    assert "&lt;script&gt;x&lt;/script&gt;" in page and "\\*\\*b\\*\\*" in page and "# Hand-in of &lt;b&gt;fsdp.py" in page

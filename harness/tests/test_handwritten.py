@@ -23,6 +23,172 @@ HONEST = {
                "    def __hash__(self):\n        return id(self)\nif __name__ == '__main__':\n    print(A.__doc__)\n",
     "torch_submodules": "import torch.distributed as dist\nfrom torch.distributed.tensor import DTensor, Shard\n"
                         "from torch.autograd.graph import register_multi_grad_hook\nfrom torch.profiler import record_function\n",
+    # Idioms of other hand-written FSDPs than the reference.
+    'comprehensions_and_builtins': (
+        'import torch\n'
+        'def layout(params, world):\n'
+        '    sizes = [p.numel() for p in params]\n'
+        '    by_name = {i: s for i, s in enumerate(sizes)}\n'
+        '    pairs = sorted(zip(sizes, range(len(sizes))), reverse=True)\n'
+        '    total, lo, hi = sum(sizes), min(sizes, default=0), max(sizes, default=0)\n'
+        '    ok = all(isinstance(p, torch.Tensor) for p in params) and any(s > 0 for s in sizes)\n'
+        '    chunks = {*sizes}\n'
+        '    return by_name, pairs, total, lo, hi, ok, chunks, abs(-1), round(1.5), divmod(7, 2), list(reversed(sizes))\n'
+    ),
+    'tensor_ops': (
+        'import math\n'
+        'import torch\n'
+        'import torch.nn.functional as F\n'
+        'def flat(params, world, rank):\n'
+        '    flat = torch.cat([p.detach().reshape(-1) for p in params])\n'
+        '    rows = math.ceil(flat.numel() / world)\n'
+        '    padded = F.pad(flat, (0, rows * world - flat.numel()))\n'
+        '    mine = padded.narrow(0, rank * rows, rows).view(-1).clone()\n'
+        '    parts = padded.split(rows)\n'
+        '    z = torch.zeros_like(mine).to(dtype=torch.bfloat16, device=mine.device)\n'
+        '    z.copy_(mine).mul_(1.0 / world).div_(2)\n'
+        '    mine.untyped_storage().resize_(0)\n'
+        '    s = torch.chunk(flat, world)[rank].contiguous()\n'
+        '    return mine, parts, z, s, torch.finfo(torch.float32).eps, mine.data_ptr(), z.is_contiguous()\n'
+    ),
+    'collectives': (
+        'import torch\n'
+        'import torch.distributed as dist\n'
+        'from torch.distributed.device_mesh import DeviceMesh, init_device_mesh\n'
+        'from torch.distributed.tensor import DTensor, Shard, Replicate, distribute_tensor\n'
+        'def gather(mesh: DeviceMesh, shard: torch.Tensor):\n'
+        '    pg = mesh.get_group()\n'
+        '    rank, world = dist.get_rank(pg), dist.get_world_size(pg)\n'
+        '    out = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)\n'
+        '    work = dist.all_gather_into_tensor(out, shard, group=pg, async_op=True)\n'
+        '    if not work.is_completed():\n'
+        '        work.wait()\n'
+        '    grad = torch.empty_like(shard)\n'
+        '    dist.reduce_scatter_tensor(grad, out, op=dist.ReduceOp.AVG, group=pg)\n'
+        '    dist.all_reduce(grad, op=dist.ReduceOp.SUM)\n'
+        '    dist.barrier()\n'
+        '    d = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False)\n'
+        '    return d.to_local(), d.placements, d.device_mesh, mesh.size(), mesh.get_local_rank(), rank, Replicate()\n'
+    ),
+    'hooks_and_autograd': (
+        'import functools\n'
+        'import torch\n'
+        'from torch import nn\n'
+        'from torch.autograd.graph import register_multi_grad_hook\n'
+        'from torch.profiler import record_function\n'
+        'class Gather(torch.autograd.Function):\n'
+        '    @staticmethod\n'
+        '    def forward(ctx, state, *tensors):\n'
+        '        ctx.state = state\n'
+        '        ctx.save_for_backward(*tensors)\n'
+        '        return tensors\n'
+        '    @staticmethod\n'
+        '    def backward(ctx, *grads):\n'
+        '        saved = ctx.saved_tensors\n'
+        '        return (None, *grads)\n'
+        'class Hooks:\n'
+        '    def __init__(self, module: nn.Module):\n'
+        '        self.module = module\n'
+        '        self.handles = [module.register_forward_pre_hook(self.pre, with_kwargs=True),\n'
+        "                        module.register_forward_hook(functools.partial(self.post, 'x'))]\n"
+        '        for name, p in module.named_parameters(recurse=False):\n'
+        '            if p.requires_grad:\n'
+        '                p.register_hook(lambda g, name=name: g)\n'
+        '                p.register_post_accumulate_grad_hook(lambda p: None)\n'
+        '    @torch.compiler.disable\n'
+        '    def pre(self, module, args, kwargs):\n'
+        "        with torch.no_grad(), record_function('FSDP::all_gather (x)'):\n"
+        '            pass\n'
+        '        if torch.is_grad_enabled():\n'
+        '            handle = register_multi_grad_hook([a for a in args if isinstance(a, torch.Tensor)], lambda g: None)\n'
+        '        return args, kwargs\n'
+        '    def post(self, tag, module, args, output):\n'
+        '        for h in self.handles:\n'
+        '            h.remove()\n'
+        '        torch.autograd.Variable._execution_engine.queue_callback(lambda: None)\n'
+        '        return output\n'
+    ),
+    'stdlib_helpers': (
+        'from __future__ import annotations\n'
+        'import collections, contextlib, dataclasses, enum, itertools, logging, operator, time, typing, warnings, weakref\n'
+        'from abc import ABC, abstractmethod\n'
+        'from dataclasses import dataclass, field\n'
+        'from typing import Optional, TYPE_CHECKING\n'
+        'log = logging.getLogger(__name__)\n'
+        'class Phase(enum.Enum):\n'
+        '    IDLE = enum.auto()\n'
+        '    FORWARD = enum.auto()\n'
+        '@dataclass\n'
+        'class Group:\n'
+        '    params: list = field(default_factory=list)\n'
+        '    handles: dict = field(default_factory=dict)\n'
+        '    name: Optional[str] = None\n'
+        'class Base(ABC):\n'
+        '    @abstractmethod\n'
+        '    def run(self) -> None: ...\n'
+        '    @property\n'
+        '    def ready(self) -> bool:\n'
+        '        return True\n'
+        '@contextlib.contextmanager\n'
+        'def timed(what):\n'
+        '    t = time.perf_counter()\n'
+        '    try:\n'
+        '        yield\n'
+        '    finally:\n'
+        "        log.debug('%s took %.3f s', what, time.perf_counter() - t)\n"
+        'def helpers(groups: list[Group], phase: Phase):\n'
+        "    ctx = contextlib.nullcontext() if phase is Phase.IDLE else timed('x')\n"
+        '    with ctx:\n'
+        '        pass\n'
+        '    order = collections.defaultdict(list)\n'
+        '    q = collections.deque(groups)\n'
+        '    q.popleft() if q else None\n'
+        '    starts = list(itertools.accumulate([1, 2, 3], operator.add))\n'
+        '    pairs = list(itertools.pairwise(groups))\n'
+        '    refs = weakref.WeakKeyDictionary()\n'
+        '    names = [g.name for g in dataclasses.fields(Group)]\n'
+        "    warnings.warn(f'{len(groups)} groups', stacklevel=2)\n"
+        "    print(f'{phase=} {phase.name} {phase.value}', '{} of {}'.format(1, 2), '%d' % 3, flush=True)\n"
+        '    if (n := len(groups)) > 1:\n'
+        '        pass\n'
+        '    match phase:\n'
+        '        case Phase.IDLE:\n'
+        '            pass\n'
+        '        case _:\n'
+        '            pass\n'
+        '    return order, starts, pairs, refs, names, typing.cast(int, n)\n'
+    ),
+    'module_swaps': (
+        'import torch\n'
+        'from torch import nn\n'
+        '_CLASSES = {}\n'
+        'def wrap(module: nn.Module, params):\n'
+        '    cls = module.__class__\n'
+        '    if cls not in _CLASSES:\n'
+        "        _CLASSES[cls] = type(f'FSDP{cls.__name__}', (cls,), {})\n"
+        '    module.__class__ = _CLASSES[cls]\n'
+        '    for name, p in params.items():\n'
+        '        setattr(module, name, nn.Parameter(p, requires_grad=p.requires_grad))\n'
+        '        module.register_parameter(name, nn.Parameter(p))\n'
+        '    for child_name, child in module.named_children():\n'
+        '        pass\n'
+        '    module.weight.grad = None\n'
+        '    return [m for m in module.modules()], module.state_dict(), list(module.parameters())\n'
+    ),
+    'cuda_streams': (
+        'import torch\n'
+        'def streams(x):\n'
+        '    if torch.cuda.is_available():\n'
+        '        s = torch.cuda.Stream()\n'
+        '        with torch.cuda.stream(s):\n'
+        '            y = x * 2\n'
+        '        torch.cuda.current_stream().wait_stream(s)\n'
+        '        e = torch.cuda.Event()\n'
+        '        e.record()\n'
+        '        x.record_stream(s)\n'
+        '        torch.cuda.synchronize()\n'
+        '    return x.cpu(), x.grad, x.storage, x.flatten(), x.device.type\n'
+    ),
 }
 
 # Refused constructs that are not FSDP2: (source, the line it names, words of what to do instead).
@@ -34,8 +200,10 @@ OUTSIDE = {
     "os_system": ("import os\nos.system('ls')\n", 2, "os.system: of os an FSDP may read only"),
     "from_os_path": ("from os import path\n", 1, "of os an FSDP may read only"),
     "open": ("data = open('x').read()\n", 1, "reads no files"),
-    "torch_open_file": ("import torch.serialization\nf = torch.serialization._open_file('x', 'rb')\n", 2,
+    "torch_open_file": ("import torch.serialization\nf = torch.serialization._open_file('x', 'rb')\n", 1,
                         "reads no files"),
+    "torch_open_file_attribute": ("import torch\nf = torch.serialization._open_file('x', 'rb')\n", 2,
+                                  "reads no files"),
     "torch_save": ("import torch\ntorch.save({}, 'x')\n", 2, "reads no files"),
     "getattr_computed": ("import torch\nname = 'a' + 'b'\ny = getattr(torch, name)\n", 3, "write the name out"),
     "numpy": ("import numpy\n", 1, "remove the import"),
@@ -44,6 +212,17 @@ OUTSIDE = {
     "eval": ("x = eval('1')\n", 1, "write the code out"),
     "shared_memory": ("import torch\nt = torch.empty(4)\nt.share_memory_()\n", 3, "ordinary allocator"),
     "file_backed": ("import torch\ns = torch.UntypedStorage.from_file('f', True, 8)\n", 2, "ordinary allocator"),
+    "relative_import": ("from . import helpers\n", 1, "imports from its own package"),
+    "star_import": ("from torch import *\n", 1, "name what you import"),
+    "module_from_import": ("from torch import jit\n", 1, "imports the module torch.jit"),
+    "environ_passed": ("import os\nenv = os.environ\n", 2, "read it in place"),
+    "type_namespace": ("ns = {}\nA = type('A', (), ns)\n", 2, "from a namespace it does not show"),
+    "unknown_attribute": ("import torch\nx = torch.nothing_of_torch\n", 2, "neither the API of torch"),
+    "private_attribute": ("import typing\nt = typing._eval_type\n", 2, "private to torch or Python"),
+    "module_passed": ("import torch\nm = [torch]\n", 2, "passes the module `torch` around"),
+    "frame_attribute": ("g = (x for x in [1])\nf = g.gi_frame\n", 2, "an attribute of frames"),
+    "hook_method": ("class A:\n    def __getattr__(self, name):\n        return name\n", 2, "a hook Python calls on its own"),
+    "first_in_reading_order": ("import torch\nx = torch.os\nimport sys\n", 2, "`.os`, which is the module os"),
 }
 
 

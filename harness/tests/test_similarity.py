@@ -209,3 +209,36 @@ def test_fsdp2_imported_is_still_refused(tmp_path):
     path = tmp_path / "imports.py"
     path.write_text(SKELETON.read_text() + "\nfrom torch.distributed.fsdp._fully_shard._fsdp_collectives import foreach_reduce\n")
     assert handwritten.static_problem(path), "an FSDP2 import passed the static check"
+
+
+HOSTILE_NAME = "x<img src=y onerror=z>|[a](javascript:b)`c`*d*.py"
+
+
+@needs_skeleton
+def test_page_shows_the_submissions_text_as_text(tmp_path):
+    """similarity.md shows a submission's file name, its error and its code as text: no HTML, link,
+    emphasis or table cell of theirs, and an excerpt whose own backticks cannot close its fence."""
+    folder = tmp_path / "subs"
+    folder.mkdir()
+    pasted = fsdp2_pasted(folder, HOSTILE_NAME)
+    # A fence and HTML in the student's own comments, after every argument of the pasted code.
+    pasted.write_text("\n".join(line + "  # ``` </code> <b>" if line.endswith(",") else line
+                                for line in pasted.read_text().splitlines()) + "\n")
+    (folder / "<b>broken.py").write_text("def f(:\n")
+    page = similarity.page(check(sorted(folder.glob("*.py"))), sorted(folder.glob("*.py")))
+    outside_code = "".join(block for block in page.split("\n\n") if not block.startswith("````"))
+    assert "<img" not in outside_code and "<b>" not in outside_code, outside_code[:3000]
+    assert "](javascript" not in page.replace("\\]", ""), page[:3000]
+    assert "x&lt;img src=y onerror=z&gt;\\|\\[a\\](javascript:b)\\`c\\`\\*d\\*.py" in page, page[:3000]
+    assert "&lt;b&gt;broken.py: not compared" in page
+    rows = [line for line in page.splitlines() if line.startswith("| ")]
+    assert all(line.count("|") - line.count("\\|") == 8 for line in rows), rows  # 7 cells each, no more
+    excerpt = next(block for block in page.split("\n\n") if block.startswith("````python\n"))
+    assert excerpt.endswith("\n````") and "# ``` </code> <b>" in excerpt, excerpt
+
+
+def test_code_block_fence_outlasts_the_code():
+    from harness.tools import inert
+
+    assert inert.code_block("x = 1") == "```python\nx = 1\n```"
+    assert inert.code_block("a = '`````'") == "``````python\na = '`````'\n``````"

@@ -32,7 +32,7 @@ import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
-from harness.tools import sandbox, similarity
+from harness.tools import inert, sandbox, similarity
 from harness.tools.points import LINES
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/grade.py
@@ -133,7 +133,7 @@ def main(args: Args) -> None:
     for path in files:
         print(f"grading {path}", file=sys.stderr, flush=True)
         row = grade(path, args.timeout, list(args.pytest_args), pictures and pictures / path.stem)
-        writer.writerow(row | similar.columns(path.name))
+        writer.writerow(inert.csv_row(row | similar.columns(path.name)))  # file names, messages: its text
         out.flush()
     if out is not sys.stdout:
         out.close()

@@ -92,12 +92,15 @@ def results(rows: list[dict], failure: str, seconds: float, pictures: Path | Non
         score = row["earned"] or 0  # a line not graded (None) earns nothing here
         tests.append({"name": line.name, "score": score, "max_score": line.points,
                       "status": "passed" if score == line.points else "failed",
-                      "output": row["evidence"], "visibility": "visible"})
+                      "output": row["evidence"], "output_format": "text", "visibility": "visible"})
     if pictures is not None:
         tests += [picture_test(pictures / f, name) for f, name in PICTURES.items() if (pictures / f).is_file()]
     summary = "\n".join(([failure, ""] if failure else []) + render(rows))
+    # Evidence and failures hold the submission's text (its messages, its source line in a syntax error):
+    # shown as plain text, never rendered (Gradescope's default renders markdown-like simple_format). Only
+    # the pictures' tests, whose HTML is this tool's own, are HTML.
     return {"score": sum(t["score"] for t in tests), "execution_time": int(round(seconds)), "output": summary,
-            "tests": tests}
+            "output_format": "text", "test_output_format": "text", "test_name_format": "text", "tests": tests}
 
 
 def grade_submission(root: Path, timeout: float, start: float) -> dict:

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/hand
 
 from harness.cli import parse  # noqa: E402
 from harness.errors import BAD_INPUT, ConfigError, stop  # noqa: E402
+from harness.tools import inert  # noqa: E402
 
 BONUSES = ("bonus1", "bonus2", "bonus3")
 
@@ -125,6 +126,31 @@ def profile_runs(impl: str, out: Path, runs: list[str], world_size: int) -> list
     return failures
 
 
+def summary(impl_file: Path, tested: bool, points: dict | None, bonuses: list[str], runs: list[str],
+            drawn: list[str], memory: str, failures: list[str]) -> str:
+    """SUMMARY.md. Its file name, the tests' evidence and the runs' errors are the submission's text
+    (its exception messages): shown as text, so the page a grader opens renders none of it."""
+    md = inert.markdown_text
+    lines = [f"# Hand-in of {md(impl_file)}", ""]
+    if points is None:
+        lines += ["No points table: " + ("--no-tests." if not tested else "pytest wrote none (see test-output.txt)."), ""]
+    else:
+        lines += ["| task | points | evidence |", "|---|---|---|"]
+        lines += [f"| {r['task']} | {'-' if r['earned'] is None else r['earned']} / {r['max']} | {md(r['evidence'])} |"
+                  for r in points["rows"]]
+        graded = [r for r in points["rows"] if r["earned"] is not None]
+        lines += [f"| total | {sum(r['earned'] for r in graded)} / {sum(r['max'] for r in graded)} | |", ""]
+    lines += [f"Bonuses attempted: {', '.join(bonuses) or 'none'}.", "",
+              "Profiled runs (traces/rank{r}.json for Perfetto, snapshots/rank{r}.pickle for "
+              "`python -m torch.cuda._memory_viz trace_plot`):", ""]
+    lines += [f"- {name}/fsdp2 and {name}/effdl" for name in runs]
+    lines += ["", "Pictures (FSDP2 above yours; memory from the memory tests):", ""]
+    lines += [f"- {md(d)}" for d in drawn] + [f"- {md(memory)}"]
+    if failures:
+        lines += ["", "Runs that failed:", ""] + [f"- {md(f)}" for f in failures]
+    return "\n".join(lines) + "\n"
+
+
 def main(args: Args) -> None:
     from harness.impl import impl_path
 
@@ -142,24 +168,7 @@ def main(args: Args) -> None:
     failures = profile_runs(impl, out, runs, args.world_size)
     drawn = [draw_overlap(out, name, impl_file.name, failures) for name in runs]
 
-    lines = [f"# Hand-in of {impl_file}", ""]
-    if points is None:
-        lines += ["No points table: " + ("--no-tests." if not args.tests else "pytest wrote none (see test-output.txt)."), ""]
-    else:
-        lines += ["| task | points | evidence |", "|---|---|---|"]
-        lines += [f"| {r['task']} | {'-' if r['earned'] is None else r['earned']} / {r['max']} | {r['evidence']} |"
-                  for r in points["rows"]]
-        graded = [r for r in points["rows"] if r["earned"] is not None]
-        lines += [f"| total | {sum(r['earned'] for r in graded)} / {sum(r['max'] for r in graded)} | |", ""]
-    lines += [f"Bonuses attempted: {', '.join(bonuses) or 'none'}.", "",
-              "Profiled runs (traces/rank{r}.json for Perfetto, snapshots/rank{r}.pickle for "
-              "`python -m torch.cuda._memory_viz trace_plot`):", ""]
-    lines += [f"- {name}/fsdp2 and {name}/effdl" for name in runs]
-    lines += ["", "Pictures (FSDP2 above yours; memory from the memory tests):", ""]
-    lines += [f"- {d}" for d in drawn] + [f"- {memory}"]
-    if failures:
-        lines += ["", "Runs that failed:", ""] + [f"- {f}" for f in failures]
-    (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
+    (out / "SUMMARY.md").write_text(summary(impl_file, args.tests, points, bonuses, runs, drawn, memory, failures))
     print(f"wrote {out} ({len(failures)} failed run(s); see {out / 'SUMMARY.md'})")
 
 

@@ -2,10 +2,11 @@
 
 Two layers, because each closes what the other cannot:
 
-- `static_problem(path)` reads the submission's source (never runs it) and rejects imports
-  of FSDP2 and everything a file could use to reach FSDP2 or the harness by a computed name
-  (`__import__`, importlib, sys.modules, getattr with a built string, frames, globals) or to
-  patch the checks that run next to it in the same process. A real FSDP needs none of it.
+- `static_problem(path)` reads the submission's source (never runs it) against an allowlist:
+  the imports, every attribute name and the builtins a hand-written FSDP needs, and nothing
+  that reaches a module, globals, frames or code by another route, turns a string into code,
+  loads code, reads or writes files, adds pickling hooks or changes torch's or Python's own
+  objects (which the checks running next to it in the same process use).
 - At run time, whatever route was taken: FSDP2's classes, module state or hooks on the
   wrapped model (`model_problem`), FSDP2's custom ops (`fsdp::...`) or FSDP2's source files
   on the Python stack of any collective (`stack_problem`, called by jobs.CommLog).
@@ -15,9 +16,18 @@ Either one fails every graded test with FSDP2_USED.
 
 from __future__ import annotations
 
+import abc
 import ast
+import enum
+import functools
+import importlib
+import inspect
 import os
+import string
 import sys
+import types
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,30 +49,83 @@ _FSDP_DIRS = tuple(os.path.join(os.path.dirname(torch.__file__), "distributed", 
                    for d in ("fsdp", os.path.join("_composable", "fsdp")))
 _FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
 
-# Modules (exactly these; torch and its submodules too) an FSDP may import. Not importlib, sys,
-# inspect, gc, ctypes, builtins, subprocess, pickle, logging.config: each reaches modules, frames
-# or files by computed names.
-ALLOWED_IMPORTS = {"__future__", "math", "dataclasses", "enum", "typing", "collections", "collections.abc",
-                   "functools", "itertools", "contextlib", "weakref", "abc", "operator", "warnings", "logging",
-                   "time", "os", "torch"}
+# ----------------------------------------------------------------------------- the source check
+#
+# An allowlist, because a list of refused names was beaten: in Python a module is an attribute of
+# other modules (`torch.os`, `logging.sys`), a string becomes code wherever something evaluates it,
+# and an object's attributes lead to its globals, its frames and its code. So the file may use
+# only what a hand-written FSDP needs: every attribute name it reads or writes is either the public
+# API of torch's allowed modules and the standard helpers (introspected from the installed torch,
+# so it follows the version) or a name the file defines itself; and neither may be a module outside
+# the allowed ones, a frame or code attribute, a dunder outside a short list, or an entry point that
+# loads, compiles or evaluates code, reads or writes files, or unpickles.
+
+# Modules an FSDP may import (exactly these). Not importlib, sys, inspect, gc, ctypes, builtins,
+# subprocess, pickle, logging.config, nor torch's code loaders (jit, fx, library, package, hub,
+# utils.cpp_extension, ops, _C): each reaches modules, frames, files or code by computed names.
+STDLIB_IMPORTS = {"__future__", "math", "dataclasses", "enum", "typing", "collections", "collections.abc",
+                  "functools", "itertools", "contextlib", "weakref", "abc", "operator", "warnings", "logging",
+                  "time", "os"}
+TORCH_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "torch.nn.init", "torch.nn.parameter",
+                 "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.placement_types",
+                 "torch.distributed.device_mesh", "torch.autograd", "torch.autograd.graph", "torch.autograd.function",
+                 "torch.profiler", "torch.compiler", "torch.cuda", "torch.utils.hooks"}
+ALLOWED_IMPORTS = STDLIB_IMPORTS | TORCH_IMPORTS
 OS_ATTRS = {"environ", "getenv", "getpid", "cpu_count"}  # reading settings; not files, not processes
-# Names that reach modules, frames, globals or code objects, i.e. FSDP2 or the harness by a
-# computed route, or that run code the file does not show; each with what to do instead.
+ENVIRON_ATTRS = {"get", "items", "keys", "values", "copy"}  # os.environ is read, never changed
+# Attribute names of the allowed modules that are themselves allowed modules (torch.nn, nn.functional...).
+SUBMODULE_ATTRS = {m.rsplit(".", 1)[-1] for m in TORCH_IMPORTS if "." in m} | {"abc"}
+# Names that are methods or attributes an FSDP uses (nn.Module.modules(), Tensor.grad, Tensor.cpu(),
+# F.linear, a parameter called `module`) and also, on some allowed module, a submodule of torch's
+# (torch.nn.modules, torch.nn.grad, torch.cpu, torch.nn.modules.linear...): allowed, and every module
+# they reach is searched like the allowed ones, so that its own module-valued attributes are refused.
+SHADOWED_MODULE_ATTRS = {"modules", "module", "grad", "cpu", "storage", "flatten", "linear", "dropout", "fold",
+                         "sparse", "copy"}
+# Private names an FSDP needs: the engine's end-of-backward callback (FSDP2 and DDP use it too),
+# a module's tables and its _apply (to_empty), a namedtuple's fields.
+PRIVATE_ATTRS = {"_execution_engine", "_parameters", "_buffers", "_modules", "_apply", "_fields"}
+
+# Names refused wherever they appear, each with what to do instead.
 _COMPUTED = "import what you need with a plain `import torch...` at the top and use it by name"
 _ARGS = "pass what you need as arguments or keep it on your objects"
+_CODE = "write the code out in the file"
+_FILES = "the FSDP computes its results; it reads no files and runs no programs"
+_HARNESS = ("harness", "train", "checks", "handwritten")
+_FSDP2_NAMES = ("fsdp", "_composable", "_composable_state", "_fully_shard")
 ADVICE = {
-    **dict.fromkeys(("fsdp", "_composable", "_composable_state", "_fully_shard"),
-                    "write the FSDP yourself: torch.distributed's collectives and DTensor are all it needs"),
-    **dict.fromkeys(("harness", "train", "checks", "handwritten"),
-                    "the FSDP must not reach the harness that grades it; nothing in it is needed"),
+    **dict.fromkeys(_FSDP2_NAMES, "write the FSDP yourself: torch.distributed's collectives and DTensor are all it needs"),
+    **dict.fromkeys(_HARNESS, "the FSDP must not reach the harness that grades it; nothing in it is needed"),
     **dict.fromkeys(("sys", "importlib", "import_module", "builtins", "__builtins__", "__import__",
                      "attrgetter", "methodcaller"), _COMPUTED),
-    **dict.fromkeys(("exec", "eval", "compile", "cpp_extension", "load_inline"), "write the code out in the file"),
-    **dict.fromkeys(("globals", "locals", "vars", "f_globals", "f_locals", "f_back", "tb_frame", "gi_frame",
-                     "cr_frame", "_getframe", "currentframe", "gc", "ctypes", "inspect"), _ARGS),
+    # Strings that become code (evaluated annotations included), and compiled or loaded code.
+    **dict.fromkeys(("exec", "eval", "compile", "cpp_extension", "load_inline", "get_type_hints", "ForwardRef",
+                     "singledispatch", "singledispatchmethod", "make_dataclass", "load_library", "CompilationUnit",
+                     "import_ir_module", "import_ir_module_from_buffer", "parse_ir", "ScriptFunction",
+                     "ScriptModule", "ScriptObject", "ScriptClass", "ScriptMethod", "LiteScriptModule",
+                     "load_compiled_function", "load_cache_artifacts", "save_cache_artifacts",
+                     "CUDAPluggableAllocator", "change_current_allocator", "breakpoint"), _CODE),
+    **dict.fromkeys(("globals", "locals", "vars", "_getframe", "currentframe", "gc", "ctypes", "inspect", "mro"),
+                    _ARGS),
     **dict.fromkeys(("open", "subprocess", "serialization", "_open_file", "_open_zipfile_reader",
-                     "_open_zipfile_writer", "save", "load"),
-                    "the FSDP computes its results; it reads no files and runs no programs"),
+                     "_open_zipfile_writer", "save", "load", "PyTorchFileReader", "PyTorchFileWriter",
+                     "FileStore", "TCPStore", "HashStore", "PrefixStore", "export_chrome_trace", "export_stacks",
+                     "export_memory_timeline", "tensorboard_trace_handler", "ExecutionTraceObserver", "basicConfig",
+                     "FileHandler", "handlers", "addHandler", "Handler", "StreamHandler", "setLoggerClass",
+                     "setLogRecordFactory", "showwarning", "formatwarning", "input", "help"), _FILES),
+    # A numpy array's methods write files (tofile, dump): the FSDP works on tensors.
+    "numpy": "work on tensors: an FSDP never needs numpy",
+    # Each unpickles what another process sent.
+    **dict.fromkeys(("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                     "send_object_list", "recv_object_list"),
+                    "send tensors with the tensor collectives; these unpickle what another process sent"),
+    # Formatters apply str.format to the log record, which reads attributes named in the string.
+    **dict.fromkeys(("format_map", "Formatter"), "use an f-string, whose fields are code the check reads"),
+    # Hooks on every module in the process, the harness's included.
+    **dict.fromkeys(("register_module_forward_hook", "register_module_forward_pre_hook",
+                     "register_module_full_backward_hook", "register_module_full_backward_pre_hook",
+                     "register_module_backward_hook", "register_module_buffer_registration_hook",
+                     "register_module_module_registration_hook", "register_module_parameter_registration_hook"),
+                    "register hooks on the modules you wrap (module.register_forward_pre_hook...)"),
     # Storage outside torch's CPU allocator, which the graded memory check counts (harness/memory.py).
     **dict.fromkeys(("share_memory_", "from_file", "_share_filename_", "_share_fd_", "_new_shared",
                      "_new_shared_filename", "_new_shared_fd"),
@@ -70,11 +133,112 @@ ADVICE = {
                     "check counts its tensors, and shared or file-backed storage would hide from it"),
 }
 FORBIDDEN_NAMES = set(ADVICE)
+# Parts of an import's dotted name refused with their own advice; any other module outside
+# ALLOWED_IMPORTS gets "remove the import".
+_IMPORT_PARTS = set(_FSDP2_NAMES) | set(_HARNESS) | {"serialization", "cpp_extension"}
+# Builtins that evaluate, import, open or reach what the file did not write.
+REFUSED_BUILTINS = {"eval", "exec", "compile", "globals", "locals", "vars", "__import__", "open", "input",
+                    "breakpoint", "help", "exit", "quit", "__builtins__", "__loader__", "__spec__"}
+# Dunders a file may read or write (`x.__name__`, `__slots__ = ...`): none leads to a module,
+# globals, code or a frame. Not `__annotations__` (dataclass writes its keys into the source of the
+# __init__ it compiles), `__dict__`, `__mro__`, `__subclasses__`, `__globals__`, `__self__`...
 ALLOWED_DUNDERS = {"__init__", "__class__", "__name__", "__qualname__", "__module__", "__enter__", "__exit__",
                    "__call__", "__post_init__", "__repr__", "__str__", "__len__", "__iter__", "__next__",
                    "__getitem__", "__setitem__", "__contains__", "__bool__", "__eq__", "__ne__", "__lt__", "__le__",
-                   "__gt__", "__ge__", "__hash__", "__slots__", "__doc__", "__all__", "__future__", "__annotations__",
-                   "__match_args__", "__main__"}
+                   "__gt__", "__ge__", "__hash__", "__slots__", "__doc__", "__all__", "__future__", "__main__",
+                   "__version__", "__debug__"}
+# Methods a file's classes may define: none runs at a moment the file does not choose (pickling,
+# class creation, attribute lookup, garbage collection).
+ALLOWED_METHODS = ALLOWED_DUNDERS | {"__delitem__", "__add__", "__sub__", "__mul__", "__truediv__", "__floordiv__",
+                                     "__neg__", "__int__", "__float__", "__index__"}
+PICKLING_HOOKS = {"__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs__",
+                  "__getnewargs_ex__", "__copy__", "__deepcopy__"}
+_PICKLE_ADVICE = ("a pickling hook runs code wherever the object is unpickled (the grader's side); an FSDP's "
+                  "objects are never pickled: remove it")
+_PUBLIC_API = "use the public API (torch, torch.distributed, DTensor, nn, autograd)"
+
+
+def _dunder(name: str) -> bool:
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+@dataclass(frozen=True)
+class _Names:
+    api: frozenset[str]         # the allowed API: public names of the allowed modules and their classes
+    modules: dict[str, str]     # attribute name -> the module it reaches, outside the allowed ones
+    frames: frozenset[str]      # attributes of frames, code, tracebacks, generators, cells
+    introspected: frozenset[str]  # every name found in the allowed modules and their classes
+    searched: frozenset[str]    # the modules whose attributes were searched for modules
+
+    def submodules(self) -> dict[str, str]:
+        """The submodules of the searched modules imported since (torch.distributed.checkpoint,
+        once train.py loaded it), by the attribute name that reaches them."""
+        allowed = SUBMODULE_ATTRS | SHADOWED_MODULE_ATTRS
+        return {name: full for full in list(sys.modules) if "." in full
+                for parent, name in [full.rsplit(".", 1)] if parent in self.searched and name not in allowed}
+
+
+@functools.cache
+def _names() -> _Names:
+    """Introspected from the installed torch and Python, once per process."""
+    with warnings.catch_warnings():  # reading deprecated attributes (torch.distributed.reduce_op) warns
+        warnings.simplefilter("ignore")
+        return _introspect()
+
+
+def _introspect() -> _Names:
+    module_names: dict[str, str] = {}
+    seen: set[str] = set()
+    classes: list[type] = [list, dict, set, frozenset, tuple, str, bytes, int, float, complex, bool, range, slice,
+                           object, BaseException, memoryview, type(print), types.FunctionType,
+                           types.MethodType, type(torch.autograd.Variable._execution_engine)]
+    # (module, whether its names are API): the allowed modules, then what shadowed names reach.
+    queue = [(importlib.import_module(m), True) for m in sorted(ALLOWED_IMPORTS - {"__future__", "os"})]
+    searched = {id(m) for m, _ in queue}
+    parents = {m.__name__ for m, _ in queue}
+    while queue:
+        holder, api = queue.pop()
+        for name in dir(holder):
+            try:
+                value = getattr(holder, name)
+            except Exception:  # a lazy attribute that fails to load: nothing reaches it either
+                continue
+            if isinstance(value, types.ModuleType):
+                if value.__name__ in ALLOWED_IMPORTS:
+                    continue
+                if name in SHADOWED_MODULE_ATTRS | SUBMODULE_ATTRS:
+                    if id(value) not in searched:
+                        searched.add(id(value))
+                        parents.add(value.__name__)
+                        queue.append((value, False))
+                else:
+                    module_names.setdefault(name, value.__name__)
+            elif api:
+                seen.add(name)
+                if isinstance(value, type):
+                    classes.append(value)
+    for cls in classes:
+        # Instance attributes a class declares (nn.Linear's weight and in_features, Shard's dim).
+        for declared in (vars(cls).get("__annotations__"), vars(cls).get("__constants__")):
+            if isinstance(declared, (dict, list, tuple)):
+                seen.update(n for n in declared if isinstance(n, str))
+        for name in dir(cls):
+            seen.add(name)
+            value = getattr(cls, name, None)
+            if isinstance(value, types.ModuleType) and value.__name__ not in ALLOWED_IMPORTS \
+                    and name not in SHADOWED_MODULE_ATTRS:
+                module_names.setdefault(name, value.__name__)
+    for name in ("os", "sys", "builtins", "importlib", "inspect", "gc", "ctypes", "subprocess", "pickle",
+                 "marshal", "types", "io", "shutil", "socket", "pathlib", "runpy", "code", "codeop", "copyreg"):
+        module_names.setdefault(name, name)
+    for name in SUBMODULE_ATTRS | SHADOWED_MODULE_ATTRS:
+        module_names.pop(name, None)
+    frames = {n for t in (types.FrameType, types.CodeType, types.TracebackType, types.GeneratorType,
+                          types.CoroutineType, types.AsyncGeneratorType, types.CellType)
+              for n in dir(t) if n.startswith(("f_", "co_", "tb_", "gi_", "cr_", "ag_", "cell_"))}
+    refused = FORBIDDEN_NAMES | frames | set(module_names)
+    api = {n for n in seen if not n.startswith("_")} | PRIVATE_ATTRS | SUBMODULE_ATTRS | SHADOWED_MODULE_ATTRS
+    return _Names(frozenset(api - refused), module_names, frozenset(frames), frozenset(seen), frozenset(parents))
 
 
 def static_problem(path: Path) -> str | None:
@@ -84,59 +248,322 @@ def static_problem(path: Path) -> str | None:
         tree = ast.parse(Path(path).read_text(), filename=str(path))
     except SyntaxError:
         return None  # importing it reports the syntax error where it is
-    os_names = set()  # what `os` is called in this file
-    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-    for node in ast.walk(tree):
-        where = f"{Path(path).name}:{getattr(node, 'lineno', '?')}"
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            for mod in mods:
-                if mod.startswith(_FSDP_MODULES):
-                    return f"{where} imports {mod}"
-                if mod not in ALLOWED_IMPORTS and mod.split(".")[0] != "torch":
-                    return Outside(f"{where} imports {mod}: an FSDP needs only torch and "
-                                   f"{', '.join(sorted(ALLOWED_IMPORTS - {'torch', '__future__'}))}; "
-                                   "remove the import")
-            if isinstance(node, ast.Import):
-                os_names |= {a.asname or a.name for a in node.names if a.name == "os"}
-            elif node.module == "os" and (bad := [a.name for a in node.names if a.name not in OS_ATTRS]):
-                return Outside(f"{where} imports os.{bad[0]}: of os an FSDP may read only "
+    return _Check(Path(path).name, tree).problem()
+
+
+class _Check:
+    """One file: its imports first (they say what each imported name is), then the names it
+    defines, then every node against the allowlist."""
+
+    def __init__(self, filename: str, tree: ast.Module):
+        self.filename, self.tree = filename, tree
+        self.names = _names()
+        self.modules = {**self.names.submodules(), **self.names.modules}
+        self.parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        self.imported: dict[str, object] = {}  # name bound by an import -> what it binds
+        self.module_aliases: set[str] = set()  # those bound to a module
+        self.own: set[str] = set()  # names the file defines: functions, classes, arguments, attributes
+        self.foreign: set[str] = set()  # its variables bound to classes, modules or functions of torch or Python
+
+    def where(self, node: ast.AST) -> str:
+        return f"{self.filename}:{getattr(node, 'lineno', '?')}"
+
+    def problem(self) -> str | None:
+        """The file's first problem in reading order (an import's, or any other line's above it)."""
+        imports = sorted((n for n in ast.walk(self.tree) if isinstance(n, (ast.Import, ast.ImportFrom))),
+                         key=_position)
+        refused = next(((node, p) for node in imports if (p := self.import_problem(node))), None)
+        self.collect_own_names()
+        # In the order of the source, an inner expression before the one around it: `torch.os.system`
+        # is refused for `.os`, the module it reaches, not for `.system`.
+        for node in sorted(ast.walk(self.tree), key=_position):
+            if refused and _position(node) >= _position(refused[0]):
+                break
+            if problem := self.node_problem(node):
+                return problem
+        return refused[1] if refused else None
+
+    # ------------------------------------------------------------------------------ imports
+
+    def import_problem(self, node: ast.Import | ast.ImportFrom) -> str | None:
+        where = self.where(node)
+        if isinstance(node, ast.ImportFrom) and node.level:
+            return Outside(f"{where} imports from its own package: an FSDP needs only torch and the standard "
+                           "helpers; remove the import")
+        for mod in [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]:
+            if mod.startswith(_FSDP_MODULES):
+                return f"{where} imports {mod}"
+            if bad := next((part for part in mod.split(".") if part in _IMPORT_PARTS), None):
+                return _refuse(f"{where} imports {mod}", bad)
+            if mod not in ALLOWED_IMPORTS:
+                return Outside(f"{where} imports {mod}: an FSDP needs only {', '.join(sorted(TORCH_IMPORTS))} and "
+                               f"{', '.join(sorted(STDLIB_IMPORTS - {'__future__'}))}; remove the import")
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                bound = a.name if a.asname else a.name.split(".")[0]
+                self.imported[a.asname or bound] = importlib.import_module(bound)
+                self.module_aliases.add(a.asname or bound)
+            return None
+        if node.module == "__future__":
+            return None
+        module = importlib.import_module(node.module)
+        for a in node.names:
+            if a.name == "*":
+                return Outside(f"{where} imports * from {node.module}: name what you import")
+            if node.module == "os" and a.name not in OS_ATTRS:
+                return Outside(f"{where} imports os.{a.name}: of os an FSDP may read only "
                                f"{', '.join(sorted(OS_ATTRS))}")
-            names = [a.name for a in node.names] + [a.asname for a in node.names if a.asname]
-            if bad := [n for n in names if n in FORBIDDEN_NAMES]:
-                return _refuse(f"{where} imports `{bad[0]}`", bad[0])
-            continue
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in os_names \
-                and node.attr not in OS_ATTRS:
-            return Outside(f"{where} uses os.{node.attr}: of os an FSDP may read only "
-                           f"{', '.join(sorted(OS_ATTRS))} (settings, not files or processes)")
-        if isinstance(node, ast.Name) and node.id in ("getattr", "hasattr") and id(node) not in called:
+            if bad := next((n for n in (a.name, a.asname) if n in FORBIDDEN_NAMES), None):
+                return _refuse(f"{where} imports `{bad}`", bad)
+            value = getattr(module, a.name, None)
+            if isinstance(value, types.ModuleType):
+                if value.__name__.startswith(_FSDP_MODULES):
+                    return f"{where} imports {value.__name__}"
+                if value.__name__ not in ALLOWED_IMPORTS:
+                    return Outside(f"{where} imports the module {value.__name__}: an FSDP needs only "
+                                   f"{', '.join(sorted(TORCH_IMPORTS))}; remove the import")
+                self.module_aliases.add(a.asname or a.name)
+            elif node.module != "os" and (problem := self.attribute_problem(a.name, node, imported=True)):
+                return problem
+            self.imported[a.asname or a.name] = value
+        return None
+
+    # ------------------------------------------------------------------------------ the file's own names
+
+    def collect_own_names(self) -> None:
+        for node in ast.walk(self.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                self.own.add(node.name)
+            elif isinstance(node, ast.arg):
+                self.own.add(node.arg)
+            elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                self.own.add(node.id)
+            elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
+                self.own.add(node.attr)
+            elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+                self.own.add(node.name)
+        self.own -= set(self.imported)
+        # Variables bound to a class, module or function of torch's or Python's (`T = torch.Tensor`,
+        # `cls = type(x)`): writing attributes through them would change torch or Python itself.
+        for node in ast.walk(self.tree):
+            targets, value = [], None
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                targets, value = [node.target], node.value
+            if value is not None and self.foreign_value(value):
+                self.foreign.update(t.id for t in targets if isinstance(t, ast.Name))
+
+    def resolve(self, node: ast.AST):
+        """What an attribute chain rooted at an imported name is (None if it is not one)."""
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id in self.imported):
+            return None
+        value = self.imported[node.id]
+        for attr in reversed(chain):  # statically: reading the file runs no lazy import of torch's
+            value = inspect.getattr_static(value, attr, None)
+        return value
+
+    def foreign_value(self, node: ast.AST) -> bool:
+        """`node` may be a class, module or function of torch's or Python's, not an instance."""
+        if isinstance(node, ast.Call):
+            return isinstance(node.func, ast.Name) and node.func.id == "type" and len(node.args) == 1
+        root = node
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in self.foreign:
+            return True
+        value = self.resolve(node)
+        return isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)) \
+            or (value is None and isinstance(root, ast.Name) and root.id in self.imported)
+
+    def write_problem(self, target: ast.AST, what: str) -> str | None:
+        """Writing through `target` would change torch's or Python's own objects."""
+        root = target
+        while isinstance(root, (ast.Attribute, ast.Subscript)):
+            root = root.value
+        if isinstance(root, ast.Name) and (root.id in self.imported or root.id in self.foreign) \
+                or isinstance(root, ast.Call) and self.foreign_value(root):
+            return Outside(f"{self.where(target)} {what} `{ast.unparse(target)}`, which belongs to torch or Python: "
+                           "a hand-written FSDP changes its own objects and the modules it wraps, never the "
+                           "libraries the grader runs too; keep what you need on your own classes")
+        return None
+
+    # ------------------------------------------------------------------------------ every node
+
+    def attribute_problem(self, name: str, node: ast.AST, imported: bool = False, base=None) -> str | None:
+        """`name` read or written as an attribute (of `base`, where known) or imported from a module
+        is not allowed."""
+        where = self.where(node)
+        if name in _FSDP2_NAMES:
+            return f"{where} uses `{name}`: {ADVICE[name]}"
+        if name in PICKLING_HOOKS:
+            return Outside(f"{where} uses `{name}`: {_PICKLE_ADVICE}")
+        if name in ("format", "format_map") and not imported:
+            return self.format_problem(node)
+        if name in FORBIDDEN_NAMES:
+            return _refuse(f"{where} uses `{name}`", name)
+        if _dunder(name):
+            if name in ALLOWED_DUNDERS:
+                return None
+            return Outside(f"{where} uses `{name}`: it reaches modules, globals or code objects, which a "
+                           "hand-written FSDP does not need; " + _ARGS)
+        if name in self.names.frames:
+            return Outside(f"{where} uses `.{name}`, an attribute of frames, code objects or generators' internals, "
+                           "which a hand-written FSDP does not need; " + _ARGS)
+        if name in self.modules:
+            module = inspect.getattr_static(base, name, None) if base is not None else None
+            module = module.__name__ if isinstance(module, types.ModuleType) else self.modules[name]
+            return Outside(f"{where} uses `.{name}`, which is the module {module} there: an FSDP "
+                           f"reaches no module but those it imports; {_COMPUTED} (and name your own attributes "
+                           "otherwise)")
+        if name in self.names.api or (name in self.own and not imported and name not in self.names.introspected):
+            return None
+        if name in self.names.introspected:
+            return Outside(f"{where} uses `.{name}`, which is private to torch or Python: {_PUBLIC_API}, "
+                           "or name your own attribute otherwise")
+        return Outside(f"{where} uses `.{name}`, which is neither the API of torch and the standard helpers nor a "
+                       f"name this file defines: {_PUBLIC_API}")
+
+    def format_problem(self, node: ast.AST) -> str | None:
+        """str.format reads the attributes and items its fields name (`{0.__globals__}`): only a
+        literal string with plain fields, called in place, may be formatted."""
+        where = self.where(node)
+        advice = "use an f-string, whose fields are code the check reads, or plain fields ({} {0} {name})"
+        value = node.value if isinstance(node, ast.Attribute) else None
+        if isinstance(node, ast.Attribute) and node.attr == "format_map" \
+                or not (isinstance(value, ast.Constant) and isinstance(value.value, str)):
+            return Outside(f"{where} formats a string it does not show: str.format reads the attributes its fields "
+                           f"name; {advice}")
+
+        def fields(text: str, depth: int = 0):
+            for _, field, spec, _ in string.Formatter().parse(text):
+                if field is not None:
+                    yield field
+                if spec and depth < 3:
+                    yield from fields(spec, depth + 1)
+
+        try:
+            bad = next((f for f in fields(value.value) if not (f == "" or f.isdigit() or f.isidentifier())), None)
+        except ValueError:  # not a valid format string: it would fail when run
+            bad = None
+        if bad is not None:
+            return Outside(f"{where} formats the field {{{bad}}}: str.format reads the attributes and items its "
+                           f"fields name; {advice}")
+        return None
+
+    def node_problem(self, node: ast.AST) -> str | None:
+        where = self.where(node)
+        if isinstance(node, (ast.Name, ast.Attribute)) and self.resolve(node) is os.environ:
+            parent = self.parents.get(id(node))
+            if not (isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node
+                    or isinstance(parent, ast.Compare) and node in parent.comparators):
+                return Outside(f"{where} passes os.environ around: read it in place (os.environ.get(...), "
+                               "os.environ[...]); an FSDP never changes it")
+        if isinstance(node, ast.Attribute):
+            base = self.resolve(node.value)
+            if base is os.environ and node.attr not in ENVIRON_ATTRS:
+                return Outside(f"{where} uses os.environ.{node.attr}: an FSDP reads settings from os.environ "
+                               f"({', '.join(sorted(ENVIRON_ATTRS))}, os.environ[...]) and never changes them")
+            if getattr(base, "__name__", None) == "os" and isinstance(base, types.ModuleType):
+                if node.attr not in OS_ATTRS:
+                    return Outside(f"{where} uses os.{node.attr}: of os an FSDP may read only "
+                                   f"{', '.join(sorted(OS_ATTRS))} (settings, not files or processes)")
+            elif problem := self.attribute_problem(node.attr, node, base=base):
+                return problem
+            return None if isinstance(node.ctx, ast.Load) else self.write_problem(node, "writes")
+        if isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load):
+            return self.write_problem(node, "writes into")
+        if isinstance(node, ast.Name):
+            return self.name_problem(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _dunder(node.name):
+            if node.name in PICKLING_HOOKS:
+                return Outside(f"{where} defines `{node.name}`: {_PICKLE_ADVICE}")
+            if node.name not in ALLOWED_METHODS:
+                return Outside(f"{where} defines `{node.name}`, a hook Python calls on its own (at class creation, "
+                               "attribute lookup, garbage collection...), which a hand-written FSDP does not need: "
+                               "write a plain method and call it")
+            return None
+        if isinstance(node, ast.ClassDef):
+            for kw in node.keywords:
+                if kw.arg == "metaclass" and self.resolve(kw.value) is not abc.ABCMeta:
+                    return Outside(f"{where} gives {node.name} a metaclass, code that runs whenever a class is made: "
+                                   "a hand-written FSDP needs plain classes (abc.ABCMeta is allowed)")
+            return None
+        if isinstance(node, ast.MatchClass):  # `case C(attr=x)` reads x = subject.attr
+            return next(filter(None, (self.attribute_problem(a, node) for a in node.kwd_attrs)), None)
+        if isinstance(node, ast.Call):
+            return self.call_problem(node)
+        return None
+
+    def name_problem(self, node: ast.Name) -> str | None:
+        where = self.where(node)
+        if node.id in REFUSED_BUILTINS or node.id in _FSDP2_NAMES:
+            return _refuse(f"{where} uses `{node.id}`", node.id)
+        if _dunder(node.id) and node.id not in ALLOWED_DUNDERS:
+            if node.id in PICKLING_HOOKS:
+                return Outside(f"{where} defines `{node.id}`: {_PICKLE_ADVICE}")
+            return Outside(f"{where} uses `{node.id}`: it reaches modules, globals or code objects, which a "
+                           "hand-written FSDP does not need; " + _ARGS)
+        parent = self.parents.get(id(node))
+        if node.id in ("getattr", "hasattr", "setattr", "delattr") and not (
+                isinstance(parent, ast.Call) and parent.func is node):
             return Outside(f"{where}: {node.id} passed around (not called with a written-out name): call it "
                            f"as {node.id}(obj, \"name\"), or write obj.name")
-        name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
-                else node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None)
-        if name is not None:
-            if name in FORBIDDEN_NAMES:
-                return _refuse(f"{where} uses `{name}`", name)
-            if name.startswith("__") and name.endswith("__") and name not in ALLOWED_DUNDERS \
-                    and not isinstance(node, ast.FunctionDef):
-                return Outside(f"{where} uses `{name}`: it reaches modules, globals or code objects, which a "
-                               "hand-written FSDP does not need; " + _ARGS)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
-                and len(node.args) >= 2:
+        if node.id in self.module_aliases and isinstance(node.ctx, ast.Load) and not (
+                isinstance(parent, ast.Attribute) and parent.value is node):
+            return Outside(f"{where} passes the module `{node.id}` around: use its members by name "
+                           f"({node.id}.something), so the check can read what is used")
+        return None
+
+    def call_problem(self, node: ast.Call) -> str | None:
+        where = self.where(node)
+        func = node.func.id if isinstance(node.func, ast.Name) else None
+        if func in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
             key = node.args[1]
-            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
-                return Outside(f"{where}: {node.func.id} with a computed attribute name: write the name "
-                               f"out, e.g. {node.func.id}(obj, \"name\") or obj.name")
-            if key.value in FORBIDDEN_NAMES or (key.value.startswith("__") and key.value not in ALLOWED_DUNDERS):
-                return _refuse(f"{where}: {node.func.id}(..., {key.value!r})", key.value)
-    return None
+            if func in ("setattr", "delattr") and (problem := self.write_problem(node.args[0], f"calls {func} on")):
+                return problem
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                return self.attribute_problem(key.value, node)
+            if func in ("getattr", "hasattr"):
+                return Outside(f"{where}: {func} with a computed attribute name: write the name out, e.g. "
+                               f"{func}(obj, \"name\") or obj.name")
+            # setattr/delattr with a computed name on the file's own objects is how a module's
+            # parameter is swapped under its name; the object is checked above, the name cannot be.
+            return None
+        if func == "type" and len(node.args) == 3:
+            namespace = node.args[2]
+            if not (isinstance(namespace, ast.Dict) and all(
+                    isinstance(k, ast.Constant) and isinstance(k.value, str) for k in namespace.keys)):
+                return Outside(f"{where} makes a class with type() from a namespace it does not show: write the "
+                               "class out (class Name(Base): ...), or pass a dict literal with written-out names")
+            for key in namespace.keys:
+                if key.value in PICKLING_HOOKS:
+                    return Outside(f"{where} makes a class with `{key.value}`: {_PICKLE_ADVICE}")
+                if _dunder(key.value) and key.value not in ALLOWED_METHODS:
+                    return Outside(f"{where} makes a class with `{key.value}`, a hook Python calls on its own, "
+                                   "which a hand-written FSDP does not need: write a plain method and call it")
+            return None
+        value = self.resolve(node.func)
+        if isinstance(value, type) and issubclass(value, enum.Enum) and (
+                len(node.args) >= 2 or any(kw.arg == "names" for kw in node.keywords)):
+            return Outside(f"{where} makes an enum from strings, whose functional API sets any attribute on the "
+                           "class it makes: write the enum out as a class")
+        return None
+
+
+def _position(node: ast.AST) -> tuple[int, int, int, int]:
+    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0), getattr(node, "end_lineno", 0) or 0,
+            getattr(node, "end_col_offset", 0) or 0)
 
 
 def _refuse(text: str, name: str) -> str:
-    advice = ADVICE.get(name, _ARGS)
-    if name in ("fsdp", "_composable", "_composable_state", "_fully_shard"):
-        return f"{text}: {advice}"
+    if name in _FSDP2_NAMES:
+        return f"{text}: {ADVICE[name]}"
+    advice = ADVICE.get(name, _CODE if name in REFUSED_BUILTINS else _ARGS)
     return Outside(f"{text}, which a hand-written FSDP does not need: {advice}")
 
 

@@ -43,6 +43,7 @@ import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
+from harness.tools import inert
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/similarity.py
 SKELETON = ROOT / "fsdp.py"
@@ -350,11 +351,13 @@ def _excerpt(files: dict[str, list[str]], where: tuple[str, int, int], lines: in
     path, first, last = where
     text = files.get(path, [])[first - 1:min(last, first + lines - 1)]
     more = "\n..." if last - first + 1 > lines else ""
-    return "```python\n" + "\n".join(text) + more + "\n```"
+    return inert.code_block("\n".join(text) + more)
 
 
 def page(batch: Batch, paths: list[Path]) -> str:
-    """The markdown page: the closest pairs, their scores, line ranges and an excerpt of each side."""
+    """The markdown page: the closest pairs, their scores, line ranges and an excerpt of each side.
+    File names, errors and excerpts are the submissions' text, shown as text (harness.tools.inert)."""
+    md = inert.markdown_text
     files = {p.name: p.read_text(errors="replace").splitlines() for p in paths}
     files |= {os.path.join("_fully_shard", f.name): s.splitlines() for f, s in fsdp2_sources().items()}
     rank = sorted((m for m in batch.matches if m.score), key=lambda m: (-m.score, -len(m.shared), m.a.name, m.b.name))[:SHOWN]
@@ -367,19 +370,19 @@ def page(batch: Batch, paths: list[Path]) -> str:
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for m in rank:
         ranges_a, ranges_b = m.ranges()
-        out.append(f"| {m.score:.2f} | {'**yes**' if m.flagged else 'no'} | {m.a.name} | {m.b.name} | {len(m.shared)} | "
-                   f"{show(ranges_a)} | {show(ranges_b)} |")
+        out.append(f"| {m.score:.2f} | {'**yes**' if m.flagged else 'no'} | {md(m.a.name)} | {md(m.b.name)} | "
+                   f"{len(m.shared)} | {md(show(ranges_a))} | {md(show(ranges_b))} |")
     if not rank:
         out.append("| 0.00 | no | (nothing matched) | | | | |")
     for c in batch.codes:
         if c.error:
-            out.append(f"\n{c.name}: {c.error}")
+            out.append(f"\n{md(c.name)}: {md(c.error)}")
     longest = lambda rs: max(rs, key=lambda r: r[2] - r[1])
     for m in (m for m in rank if m.flagged):
-        out += ["", f"## {m.a.name} ~ {m.b.name}: {m.score:.2f}", "", "The longest matched range of each side:"]
+        out += ["", f"## {md(m.a.name)} ~ {md(m.b.name)}: {m.score:.2f}", "", "The longest matched range of each side:"]
         for code, ranges in zip((m.a, m.b), m.ranges()):
             path, first, last = longest(ranges)
-            where = f"{path} lines {first}-{last}" if code.name != FSDP2 else f"FSDP2, {path} lines {first}-{last}"
+            where = f"{md(path)} lines {first}-{last}" if code.name != FSDP2 else f"FSDP2, {path} lines {first}-{last}"
             out += ["", where + ":", "", _excerpt(files, (path, first, last))]
     return "\n".join(out) + "\n"
 

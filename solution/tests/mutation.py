@@ -275,6 +275,163 @@ if os.fork() == 0:
 }
 CHEATS.update(BOUNDARY_CHEATS)
 
+# The source check's allowlist (harness/tools/handwritten.py) against doors a list of refused names
+# left open: each file is refused before any rank runs, with the words of SOURCE_REFUSALS[name].
+SOURCE_CHEATS: dict[str, str] = {
+    # A string annotation made code by typing.get_type_hints.
+    "annotation-type-hints": ("from __future__ import annotations\nimport typing\n\n\nclass A:\n"
+                              "    x: \"__import__('os').system('id')\"\n\n\ntyping.get_type_hints(A)\n"),
+    # A string made code by typing.ForwardRef.
+    "forward-ref": 'import typing\nr = typing.ForwardRef("__import__(\'os\').system(\'id\')")\n',
+    # A ForwardRef reached through typing.get_args and evaluated by its private method.
+    "forward-ref-private": ("import typing\nr = typing.get_args(typing.Optional[\"sys.modules['os'].system('id')\"])[0]"
+                            "._evaluate(None, None, frozenset())\n"),
+    # os reached as an attribute of torch.
+    "torch-os": "import torch\ntorch.os.system('id')\n",
+    # os reached as an attribute of logging.
+    "logging-os": "import logging\nlogging.os.system('id')\n",
+    # sys reached as an attribute of dataclasses.
+    "dataclasses-sys": 'import dataclasses\nm = dataclasses.sys.modules\n',
+    # sys reached under a private alias of collections.
+    "collections-private-sys": 'import collections\nm = collections._sys.modules\n',
+    # A module name defined as the file's own attribute, then read from torch.
+    "own-name-module": "import torch\n\n\nclass A:\n    def __init__(self):\n        self._C = None\n\n\nx = torch._C\n",
+    # str.format reading a function's globals by string.
+    "format-globals": "import torch\ns = '{0.__init__.__globals__[os]}'.format(torch.nn.Module)\n",
+    # The same field written with escapes.
+    "format-escaped": "import torch\ns = '{0\\x2e__init__\\x2e__globals__}'.format(torch.nn.Module)\n",
+    # The field hidden in a format spec.
+    "format-nested-spec": "import torch\ns = '{0:{1.__init__.__globals__}}'.format(1, torch.nn.Module)\n",
+    # str.format on a string kept in a variable.
+    "format-variable": "import torch\nfmt = '{0.__init__.__globals__}'\ns = fmt.format(torch.nn.Module)\n",
+    # A logging formatter applying str.format to the record.
+    "logging-formatter": "import logging\nf = logging.Formatter('{name.__class__}', style='{')\n",
+    # A pickling hook on a class.
+    "pickle-reduce": "class R:\n    def __reduce__(self):\n        return (print, ('x',))\n",
+    # A pickling hook assigned in the class body.
+    "pickle-reduce-ex-assigned": 'class R:\n    __reduce_ex__ = print\n',
+    # A pickling hook in a class made by type().
+    "pickle-type-namespace": "R = type('R', (), {'__getstate__': print})\n",
+    # A pickling hook set by enum's functional API.
+    "pickle-enum-functional": "import enum\nE = enum.Enum('E', [('__reduce_ex__', print)])\n",
+    # A shared library loaded through torch.ops.
+    "ops-load-library": "import torch\ntorch.ops.load_library('evil.so')\n",
+    # C++ compiled and loaded at run time.
+    "cpp-extension": 'import torch.utils.cpp_extension\n',
+    # Code fetched and run by torch.hub.
+    "hub": "import torch\nm = torch.hub.load('a/b', 'c')\n",
+    # TorchScript compiled from a string.
+    "jit-code": "import torch\ncu = torch.jit.CompilationUnit('def f(x):\\n    return x\\n')\n",
+    # A function compiled by torch.compile.
+    "torch-compile": 'import torch\nf = torch.compile(print)\n',
+    # Every class in the process, from a tuple's class.
+    "mro-subclasses": 'subs = ().__class__.__mro__[-1].__subclasses__()\n',
+    # The same through type().mro().
+    "type-mro": 'subs = type(()).mro()[-1]\n',
+    # An attribute named by a string built at run time.
+    "getattr-computed": "import torch\nm = getattr(torch, 'o' + 's')\n",
+    # A class's namespace.
+    "type-dict": 'import torch\nd = type(torch.zeros(1)).__dict__\n',
+    # A module's namespace.
+    "vars": 'import torch\nd = vars(torch)\n',
+    # getattr passed to a decorator.
+    "decorator-getattr": 'import functools\nimport torch\n\n\n@functools.partial(getattr, torch)\ndef f():\n    pass\n',
+    # Attributes named by a string in operator.attrgetter.
+    "attrgetter": "import operator\nimport torch\nf = operator.attrgetter('os.system')(torch)\n",
+    # A hook run when a class is made.
+    "init-subclass": 'class A:\n    def __init_subclass__(cls, **kw):\n        pass\n',
+    # A metaclass.
+    "metaclass": 'class M(type):\n    pass\n\n\nclass A(metaclass=M):\n    pass\n',
+    # A module reached in a lambda's default.
+    "lambda-default": 'import torch\nf = lambda g=torch.sys: g\n',
+    # A function's globals read by a class pattern.
+    "match-attribute": 'def f(g):\n    match g:\n        case object(__globals__=gl):\n            return gl\n',
+    # torch's dispatch overridden for every tensor.
+    "torch-function": 'import torch\ntorch.Tensor.__torch_function__ = classmethod(print)\n',
+    # atexit reached through weakref.
+    "weakref-atexit": 'import weakref\nweakref.atexit.register(print)\n',
+    # warnings' hook replaced.
+    "warnings-showwarning": 'import warnings\nwarnings.showwarning = print\n',
+    # logging's handlers reached.
+    "logging-handlers": 'import logging\nh = logging.getLogger().handlers\n',
+    # A collective replaced for everyone in the process.
+    "monkeypatch-collective": 'import torch.distributed as dist\ndist.all_gather_into_tensor = print\n',
+    # A torch class changed through a variable.
+    "monkeypatch-alias": 'import torch\nT = torch.Tensor\nT.add_ = print\n',
+    # A torch class changed through setattr with a computed name.
+    "monkeypatch-setattr": "import torch\nsetattr(torch.Tensor, 'ad' + 'd_', print)\n",
+    # A module reached in a dataclass field's default factory.
+    "dataclass-factory": ("import dataclasses\nimport torch\n\n\n@dataclasses.dataclass\nclass A:\n"
+                          "    x: object = dataclasses.field(default_factory=lambda: torch.os)\n"),
+    # Field names dataclass compiles into __init__'s source.
+    "dataclass-annotations": ("import dataclasses\n\n\n@dataclasses.dataclass\nclass A:\n"
+                              "    __annotations__ = {\"x=__import__('os').system('id'),y\": int}\n"),
+    # The caller's globals through a generator's frame.
+    "generator-frame": 'g = (x for x in [1])\nf = g.gi_frame.f_back.f_globals\n',
+    # A closure's cell.
+    "closure-cell": 'def f():\n    x = 1\n    return lambda: x\n\n\nc = f().__closure__\n',
+    # A file written by a numpy array's method, its name defined as the file's own.
+    "numpy-file": ("import torch\n\n\nclass A:\n    def tofile(self, path):\n        pass\n\n\n"
+                   "torch.zeros(1).numpy().tofile('x')\n"),
+    # The environment changed for processes the grader starts.
+    "environ-write": "import os\nos.environ.update(LD_PRELOAD='x.so')\n",
+    # A collective that unpickles what another rank sent.
+    "object-collective": 'import torch.distributed as dist\ndist.broadcast_object_list([None])\n',
+    # A forward hook on every module in the process.
+    "global-module-hook": 'import torch\nh = torch.nn.modules.module.register_module_forward_hook(print)\n',
+}
+SOURCE_REFUSALS: dict[str, str] = {
+    "annotation-type-hints": '`get_type_hints`',
+    "forward-ref": '`ForwardRef`',
+    "forward-ref-private": '`._evaluate`, which is private',
+    "torch-os": '`.os`, which is the module os',
+    "logging-os": '`.os`, which is the module os',
+    "dataclasses-sys": '`sys`',
+    "collections-private-sys": '`._sys`, which is the module sys',
+    "own-name-module": '`._C`, which is the module torch._C',
+    "format-globals": 'formats the field {0.__init__.__globals__[os]}',
+    "format-escaped": 'formats the field {0.__init__.__globals__}',
+    "format-nested-spec": 'formats the field {1.__init__.__globals__}',
+    "format-variable": 'formats a string it does not show',
+    "logging-formatter": '`Formatter`',
+    "pickle-reduce": 'defines `__reduce__`: a pickling hook',
+    "pickle-reduce-ex-assigned": 'defines `__reduce_ex__`: a pickling hook',
+    "pickle-type-namespace": 'makes a class with `__getstate__`',
+    "pickle-enum-functional": 'makes an enum from strings',
+    "ops-load-library": '`.ops`, which is the module torch.ops',
+    "cpp-extension": 'imports torch.utils.cpp_extension',
+    "hub": '`.hub`, which is the module torch.hub',
+    "jit-code": '`.jit`, which is the module torch.jit',
+    "torch-compile": '`compile`',
+    "mro-subclasses": '`__mro__`',
+    "type-mro": '`mro`',
+    "getattr-computed": 'getattr with a computed attribute name',
+    "type-dict": '`__dict__`',
+    "vars": '`vars`',
+    "decorator-getattr": 'getattr passed around',
+    "attrgetter": '`attrgetter`',
+    "init-subclass": 'defines `__init_subclass__`, a hook Python calls on its own',
+    "metaclass": 'a metaclass',
+    "lambda-default": '`sys`',
+    "match-attribute": '`__globals__`',
+    "torch-function": '`__torch_function__`',
+    "weakref-atexit": '`.atexit`, which is the module atexit',
+    "warnings-showwarning": '`showwarning`',
+    "logging-handlers": '`handlers`',
+    "monkeypatch-collective": 'writes `dist.all_gather_into_tensor`, which belongs to torch or Python',
+    "monkeypatch-alias": 'writes `T.add_`, which belongs to torch or Python',
+    "monkeypatch-setattr": 'calls setattr on `torch.Tensor`',
+    "dataclass-factory": '`.os`, which is the module os',
+    "dataclass-annotations": '`__annotations__`',
+    "generator-frame": 'an attribute of frames',
+    "closure-cell": '`__closure__`',
+    "numpy-file": '`numpy`',
+    "environ-write": 'uses os.environ.update',
+    "object-collective": '`broadcast_object_list`',
+    "global-module-hook": '`register_module_forward_hook`',
+}
+CHEATS.update(SOURCE_CHEATS)
+
 
 def write_mutant(folder: Path, name: str, changes: list[tuple[str, str]] | None = None) -> str:
     """Write mutant or cheat NAME as FOLDER/NAME.py and return its path. A mutant is

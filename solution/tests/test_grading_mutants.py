@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from harness.tools import checks, handwritten, jobs, policy
-from solution.tests.mutation import CHEATS, write_mutant
+from harness.tools.points import LINES
+from solution.tests.mutation import CHEATS, SOURCE_CHEATS, SOURCE_REFUSALS, write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solution" / "fsdp.py"
@@ -35,9 +36,18 @@ def test_source_check_refuses(mutant, name):
     assert handwritten.static_problem(Path(mutant(name))) is not None, name
 
 
+@pytest.mark.parametrize("name", list(SOURCE_CHEATS))
+def test_source_check_names_the_refusal(mutant, name):
+    """Each door of the allowlist's is refused for what it is, at its line, as reaching beyond an FSDP."""
+    problem = handwritten.static_problem(Path(mutant(name)))
+    assert problem is not None and SOURCE_REFUSALS[name] in problem and f"{name}.py:" in problem, problem
+    assert handwritten.verdict(problem).startswith(handwritten.OUTSIDE), problem
+
+
 def test_source_check_accepts_reference_and_skeleton():
     assert handwritten.static_problem(SOLUTION) is None
     assert handwritten.static_problem(ROOT / "fsdp.py") is None
+    assert handwritten.static_problem(ROOT / "solution" / "tests" / "variant_fsdp.py") is None
 
 
 def test_runtime_check_sees_fsdp2(pool2, mutant):
@@ -75,10 +85,13 @@ def test_cast_after_gather_fails_communication(pool2, mutant):
         checks.check_forward(pool2, mutant("cast-after-gather"), "bfloat16", "float32")
 
 
-def points(path: str, tmp_path: Path, *args: str) -> dict:
+def points(path: str, tmp_path: Path, *args: str, output: list | None = None) -> dict:
     out = tmp_path / "points.json"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "test.py"),
-                    "--impl", path, "--points-json", str(out), *args], cwd=ROOT, capture_output=True, timeout=1800)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "test.py"),
+                          "--impl", path, "--points-json", str(out), *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=1800)
+    if output is not None:
+        output.append(run.stdout + run.stderr)
     return {r["task"]: r["earned"] for r in json.loads(out.read_text())["rows"]}
 
 
@@ -90,3 +103,15 @@ def test_reexport_scores_zero(mutant, tmp_path):
 def test_forward_only_scores_three(mutant, tmp_path):
     earned = points(mutant("forward-only"), tmp_path)
     assert earned["task 1 forward"] == 3 and sum(earned.values()) == 3, earned
+
+
+@pytest.mark.parametrize("name", ["annotation-type-hints", "torch-os", "pickle-reduce", "monkeypatch-collective"])
+def test_source_cheat_scores_zero(mutant, tmp_path, name):
+    """A door of the allowlist's, in a file that would otherwise hand FSDP2's work in, earns nothing on any
+    line and says why; the source check refuses it before any rank is spawned."""
+    path = Path(mutant(name))
+    path.write_text(path.read_text() + CHEATS["reexport"])
+    output: list[str] = []
+    earned = points(str(path), tmp_path, output=output)
+    assert set(earned.values()) == {0} and len(earned) == len(LINES), earned
+    assert handwritten.OUTSIDE in output[0] and SOURCE_REFUSALS[name] in output[0], output[0][-3000:]
