@@ -142,6 +142,20 @@ def test_reshard_after_forward_int(pool):
         check(pool, dropin.case_train, "float32", k)
 
 
+@pytest.fixture(scope="module")
+def pool4():
+    pool = RankPool(4, device="cpu")
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reshard_after_forward_to_a_smaller_group(pool4, dtype):
+    """reshard_after_forward=2 on 4 ranks: after forward each rank keeps half of every parameter, and
+    backward's all-gathers run among 2 ranks (FSDP2's post-forward mesh): same numbers and collectives."""
+    check(pool4, dropin.case_train, dtype, 2)
+
+
 def test_refusals_name_the_argument_and_the_alternative(pool2):
     """What the reference refuses by design (FSDP2 supports it): the exception names the argument and
     what to use instead; where FSDP2 validates (mixed dtypes, unnamed 2-D mesh) FSDP2's exception type."""
