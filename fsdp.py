@@ -427,8 +427,7 @@ class FSDPGroup:
         with record_function(self.label(ALL_GATHER_RANGE)):
             # TODO(task1): start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
-            # compute dtype, in one asynchronous collective into one flat buffer (H5, H6). On one
-            # rank FSDP2 issues no collective (the shards are the whole parameters).
+            # compute dtype, in one asynchronous collective into one flat buffer (H5, H6).
             raise TodoError("TODO(task1): start the all-gather")
         self.state = ShardedState.GATHERING
 
@@ -502,8 +501,7 @@ class FSDPGroup:
         with record_function(self.label(REDUCE_SCATTER_RANGE)):
             # TODO(task1): start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
-            # the reduce dtype (H8); the full gradients are freed before it runs. On one rank FSDP2
-            # issues no collective: the gradient is already the reduced one.
+            # the reduce dtype (H8); the full gradients are freed before it runs.
             raise TodoError("TODO(task1): start the reduce-scatter")
 
     def finish_reduce(self, pending: PendingReduce) -> None:

@@ -464,8 +464,7 @@ class FSDPGroup:
         with record_function(self.label(ALL_GATHER_RANGE)):
             # region task1: start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
-            # compute dtype, in one asynchronous collective into one flat buffer (H5, H6). On one
-            # rank FSDP2 issues no collective (the shards are the whole parameters).
+            # compute dtype, in one asynchronous collective into one flat buffer (H5, H6).
             flat = torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
             mine = flat.view(self.world, self.shard_numel)[self.rank]
             for p, start, end in zip(self.params, self.offsets, self.offsets[1:]):
@@ -555,8 +554,7 @@ class FSDPGroup:
         with record_function(self.label(REDUCE_SCATTER_RANGE)):
             # region task1: start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
-            # the reduce dtype (H8); the full gradients are freed before it runs. On one rank FSDP2
-            # issues no collective: the gradient is already the reduced one.
+            # the reduce dtype (H8); the full gradients are freed before it runs.
             numel = sum(p.padded_numel for p in params)
             flat = torch.empty((self.world, numel), dtype=self.reduce_dtype, device=self.device)
             start = 0
