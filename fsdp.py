@@ -315,12 +315,12 @@ class PendingGather:
         # The buffer is [k, sum of world/k * numel]: parameter i's k slices, side by side, are its full
         # padded rows. Lay them out as [world, shard numels], as the world's all-gather would have.
         world, k, numels = self.post_forward
-        columns, start = [], 0
+        pieces, offset = [], 0
         for n in numels:
             width = world * n // k
-            columns.append(self.flat.view(k, -1)[:, start:start + width].reshape(world, n))
-            start += width
-        return torch.cat(columns, dim=1).view(-1)
+            pieces.append(self.flat.view(k, -1)[:, offset:offset + width].reshape(world, n))
+            offset += width
+        return torch.cat(pieces, dim=1).view(-1)
 
 
 @dataclass
@@ -424,6 +424,10 @@ class FSDPGroup:
             return
         for p in self.params:
             p.check_storage()
+        if self.world == 1:  # one rank's shards are the whole parameters: FSDP2 issues no collective
+            flat = torch.cat([p.padded_shard.reshape(-1).to(self.compute_dtype) for p in self.params])
+            self.pending_gather, self.state = PendingGather(None, flat), ShardedState.GATHERING
+            return
         with record_function(self.label(ALL_GATHER_RANGE)):
             # TODO(task1): start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
@@ -470,10 +474,10 @@ class FSDPGroup:
     def unshard_post_forward(self) -> None:
         k, place = self.post_forward_mesh.size(1), self.post_forward_mesh.get_local_rank(1)
         with record_function(self.label(ALL_GATHER_RANGE)):
-            numel = sum(s.numel() for s in self.post_forward_shards)
-            flat = torch.empty(k * numel, dtype=self.compute_dtype, device=self.device)
-            torch.cat(self.post_forward_shards, out=flat.view(k, numel)[place])
-            work = dist.all_gather_into_tensor(flat, flat.view(k, numel)[place],
+            total = sum(shard.numel() for shard in self.post_forward_shards)
+            flat = torch.empty(k * total, dtype=self.compute_dtype, device=self.device)
+            torch.cat(self.post_forward_shards, out=flat.view(k, total)[place])
+            work = dist.all_gather_into_tensor(flat, flat.view(k, total)[place],
                                                group=self.post_forward_mesh.get_group(1), async_op=True)
             numels = [p.padded_numel for p in self.params]
             self.pending_gather = PendingGather(work, flat, (self.world, k, numels))
@@ -498,6 +502,9 @@ class FSDPGroup:
                 grads.append(grad)
         if not grads:
             return None
+        if self.world == 1:  # one rank's gradients are the reduced ones: FSDP2 issues no collective
+            output = torch.cat([grad.reshape(-1).to(self.reduce_dtype) for grad in grads])
+            return PendingReduce(self, None, output, params)
         with record_function(self.label(REDUCE_SCATTER_RANGE)):
             # TODO(task1): start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
@@ -769,9 +776,9 @@ def _prefetch(states: list[FSDPState]) -> None:
             state.group.prefetch()
 
 
-def _cast_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+def _cast_to(to_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """Mixed precision casts only floating-point tensors (token ids and masks pass through)."""
-    return lambda t: t.to(dtype) if t.is_floating_point() else t
+    return lambda t: t.to(to_dtype) if t.is_floating_point() else t
 
 
 def _register_group_forward_hooks(state: FSDPState, modules: list[nn.Module]) -> None:
@@ -1024,9 +1031,8 @@ def _managed_parameters(modules: list[nn.Module], device: torch.device) -> list[
             if id(p) in first:
                 found[first[id(p)]][3].append((m, name))
                 continue
-            if p.device != device and p.device.type != "meta":
-                with torch.no_grad():
-                    p.data = p.to(device)
+            if p.device != device and p.device.type != "meta":  # in place: tied modules keep sharing it
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))
             first[id(p)] = len(found)
             found.append((m, name, p, []))
 
@@ -1083,15 +1089,15 @@ def _check_arguments(mesh: DeviceMesh, reshard_after_forward: Any, mp_policy: An
         raise ValueError("reshard_after_forward should be a bool or an int representing the group size to "
                          f"reshard to, not {reshard_after_forward}")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        size = mesh.size()
-        if reshard_after_forward < 1 or reshard_after_forward > size or size % reshard_after_forward:
-            raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {size}, "
+        mesh_size = mesh.size()
+        if reshard_after_forward < 1 or reshard_after_forward > mesh_size or mesh_size % reshard_after_forward:
+            raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {mesh_size}, "
                              f"not {reshard_after_forward}")
         if reshard_after_forward == 1:  # FSDP2: resharding to one rank keeps every parameter: False
             warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, "
                           "instead of reshard_after_forward=True (bool)", stacklevel=3)
             reshard_after_forward = False
-        elif reshard_after_forward == size:
+        elif reshard_after_forward == mesh_size:
             reshard_after_forward = True
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be this module's MixedPrecisionPolicy, got "

@@ -17,8 +17,8 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            raise TodoError('TODO(task1): reduce-scatter')\n")],
     # Pre-dividing and summing, as many write: at world size 3 not bit-equal to AVG.
     "predivide": [(
-        "                op = dist.ReduceOp.AVG\n",
-        "                flat.div_(self.world)\n                op = dist.ReduceOp.SUM\n")],
+        "            op = dist.ReduceOp.AVG if self.world > 1 else dist.ReduceOp.SUM\n",
+        "            flat.div_(self.world)\n            op = dist.ReduceOp.SUM\n")],
     # Overwriting instead of accumulating the sharded gradient: every micro-step but the last is lost.
     "overwrite-grad": [(
         "            self.sharded.grad.to_local().add_(local)\n",
@@ -64,8 +64,8 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "                order[i + 1].prefetch()\n                order[i + 1].wait_for_unshard()\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
-        "                work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
-        "                work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=False)\n")],
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=False)\n")],
     # Bonus 3 accumulating in the compute dtype (bf16) instead of FSDP2's reduce-dtype copy.
     "accumulate-in-compute-dtype": [(
         "            self.accumulated_grad = grad.to(self.accumulate_dtype)\n",
