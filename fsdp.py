@@ -29,9 +29,8 @@ gloo runs on its own threads. That is where the overlap comes from.
 
 Around the step it keeps FSDP2's public contract: parameters frozen after wrapping, `.to(dtype)` and
 meta-device init after wrapping, post-accumulate-grad hooks on the shards, sharded state dicts,
-explicit prefetch, `set_is_last_backward`, `register_fsdp_forward_method`, a list of modules as
-one group, an int `reshard_after_forward`, and FSDP2's exceptions for what it cannot shard. What
-it refuses (HSDP, ignored_params, ...) raises an error naming the argument and what to use instead.
+explicit prefetch, `set_is_last_backward`, a list of modules as one group, an int
+`reshard_after_forward`, and FSDP2's exceptions for what it cannot shard. What it refuses (HSDP, ignored_params, ...) raises an error naming the argument and what to use instead.
 
 Your part is every TODO below: TODO(task1) first (each raises TodoError until it is
 written), then task2 and task3 (overlap), then the bonuses. Check your work with
@@ -40,7 +39,6 @@ written), then task2 and task3 (overlap), then the bonuses. Check your work with
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 import weakref
@@ -56,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.profiler import record_function
 
-__all__ = ["MixedPrecisionPolicy", "FSDPModule", "fully_shard", "register_fsdp_forward_method"]
+__all__ = ["MixedPrecisionPolicy", "FSDPModule", "fully_shard"]
 
 # The grader reads these profiler ranges, named `FSDP::<phase> (<group>)` by FSDPGroup.label: a group's
 # collective is issued inside ALL_GATHER_RANGE / REDUCE_SCATTER_RANGE (harness/trace.py GROUP_RANGE) and
@@ -916,24 +914,6 @@ def _fsdp_states(modules: list[FSDPModule]) -> list[FSDPState]:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
     return [module._fsdp_state for module in modules]
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make `module.<method_name>` (a method other than forward that uses the module's parameters, e.g.
-    `generate`) gather before and reshard after, as forward does. A no-op on a module not fully_shard'ed."""
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"{type(module)} does not have a method {method_name}")
-    method = getattr(module, method_name)
-    state = module._fsdp_state
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(module, args, kwargs)
-        return state.post_forward(module, args, method(*args, **kwargs))
-
-    setattr(module, method_name, wrapped)
 
 
 class UnshardHandle:
