@@ -525,8 +525,12 @@ class FSDPGroup:
             total = sum(shard.numel() for shard in self.post_forward_shards)
             flat = torch.empty(k * total, dtype=self.compute_dtype, device=self.device)
             torch.cat(self.post_forward_shards, out=flat.view(k, total)[place])
+            # region bonus1: gather the post-forward shards among k ranks
+            # As task 1's all-gather, over this rank's row of the post-forward mesh (its dim 1).
             work = dist.all_gather_into_tensor(flat, flat.view(k, total)[place],
                                                group=self.post_forward_mesh.get_group(1), async_op=True)
+            # else: raise TodoError("TODO(bonus1): gather the post-forward shards among k ranks")
+            # endregion
             numels = [p.padded_numel for p in self.params]
             self.pending_gather = PendingGather(work, flat, (self.world, k, numels))
         self.post_forward_shards = None
