@@ -27,6 +27,11 @@ bit-identical. Collectives are asynchronous and waited at use: on CUDA, NCCL run
 own stream and `Work.wait()` makes the compute stream wait without blocking the CPU; on CPU,
 gloo runs on its own threads. That is where the overlap comes from.
 
+Around the step it keeps FSDP2's public contract: parameters frozen after wrapping, `.to(dtype)` and
+meta-device init after wrapping, post-accumulate-grad hooks on the shards, sharded state dicts,
+explicit prefetch, `set_is_last_backward`, a list of modules as one group, an int
+`reshard_after_forward`, and FSDP2's exceptions for what it cannot shard. What it refuses (HSDP, ignored_params, ...) raises an error naming the argument and what to use instead.
+
 Your part is every TODO below: TODO(task1) first (each raises TodoError until it is
 written), then task2 and task3 (overlap), then the bonuses. Check your work with
 `uv run pytest test.py --impl student`.
@@ -35,6 +40,7 @@ written), then task2 and task3 (overlap), then the bonuses. Check your work with
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -73,10 +79,15 @@ class MixedPrecisionPolicy:
 
     Sharded parameters, gradients and optimizer state stay in the original dtype.
     None means "no cast": compute in the original dtype, reduce in the compute dtype.
+    output_dtype: cast the module's floating-point outputs to it (None: leave them).
+    cast_forward_inputs: cast the floating-point inputs to `param_dtype` in pre-forward (False
+    for inner modules whose inputs the root already cast).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
 
 class ShardedState(Enum):
@@ -85,6 +96,9 @@ class ShardedState(Enum):
     SHARDED = auto()    # only this rank's shards exist; the modules hold the sharded parameters
     GATHERING = auto()  # an all-gather is in flight (a PendingGather); the modules still hold shards
     GATHERED = auto()   # the full parameters are filled in and the modules hold them
+    # reshard_after_forward=<int k>: between forward and backward each rank also keeps 1/k of the full
+    # parameters, so backward gathers among k ranks only; the modules hold the shards
+    SHARDED_POST_FORWARD = auto()
 
 
 class TrainingState(Enum):
@@ -123,17 +137,15 @@ class FSDPParam:
         self.aliases = aliases
         _SHARDED_ORIGINALS[id(param)] = weakref.ref(param)
         self.shape, self.stride = param.shape, param.stride()
-        self.requires_grad = param.requires_grad
-        self.orig_dtype = param.dtype
-        # FSDP2 clamps casts that change nothing: compute in the original dtype, and reduce
-        # in the compute dtype when reduce_dtype equals param_dtype.
-        self.compute_dtype = mp_policy.param_dtype or param.dtype
-        reduce_dtype = mp_policy.reduce_dtype
-        self.accumulate_dtype = None if reduce_dtype in (None, mp_policy.param_dtype) else reduce_dtype
-        self.reduce_dtype = reduce_dtype or self.compute_dtype
-
+        self.mp_policy = mp_policy
+        # FSDP2's error contract for what Shard(0) cannot split.
         if param.dim() == 0:
-            raise NotImplementedError(f"fully_shard: {name} is a 0-dim parameter; Shard(0) needs dim 0")
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} to a 1D tensor "
+                             "with numel equal to 1.")
+        if not param.is_contiguous():
+            raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {name} has "
+                                      f"shape {tuple(param.shape)} and stride {param.stride()}; make it "
+                                      "contiguous (e.g. no channels_last) before fully_shard")
         world, rank = mesh.size(), mesh.get_local_rank()
         self.row_shape = tuple(param.shape[1:])
         self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
@@ -148,7 +160,26 @@ class FSDPParam:
         self.gathered: torch.Tensor | None = None    # world * padded rows, compute dtype
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
+        self.init_dtypes()
         self.to_sharded()
+
+    @property
+    def requires_grad(self) -> bool:
+        """Read again at each gather: a parameter may be frozen (or unfrozen) after fully_shard."""
+        return self.sharded.requires_grad
+
+    def init_dtypes(self) -> None:
+        """The dtypes of this parameter's all-gather and reduce-scatter, read off the sharded parameter:
+        again after `model.to(dtype)` (FSDP2 reads them at the first forward)."""
+        self.orig_dtype = self.sharded.dtype
+        # FSDP2 clamps casts that change nothing: compute in the original dtype, and reduce
+        # in the compute dtype when reduce_dtype equals param_dtype.
+        param_dtype, reduce_dtype = self.mp_policy.param_dtype, self.mp_policy.reduce_dtype
+        self.compute_dtype = param_dtype or self.orig_dtype
+        self.accumulate_dtype = None if reduce_dtype in (None, param_dtype) else reduce_dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        if self.gathered is not None and self.gathered.dtype != self.compute_dtype:
+            self.gathered = self.unsharded = None  # created again, in the new dtype, at the next gather
 
     def check_storage(self) -> None:
         """The all-gather sends `padded_shard`, whose front rows the optimizer updates through the
@@ -173,10 +204,11 @@ class FSDPParam:
             return
         self.padded_shard = local.new_zeros((self.padded_rows, *self.row_shape))
         self.padded_shard[:local.shape[0]].copy_(local)
-        self.sharded = nn.Parameter(self.to_dtensor(self.padded_shard[:local.shape[0]]), requires_grad=self.requires_grad)
+        self.sharded = nn.Parameter(self.to_dtensor(self.padded_shard[:local.shape[0]]), requires_grad=param.requires_grad)
         self.to_sharded()
         if self.gathered is not None and self.gathered.device != local.device:
             self.gathered = self.unsharded = None  # created again, on the new device, at the next gather
+        self.init_dtypes()
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's rows (of the parameter or of its gradient) as a Shard(0) DTensor."""
@@ -190,6 +222,10 @@ class FSDPParam:
             setattr(module, name, self.sharded)
 
     def to_unsharded(self) -> None:
+        # Frozen or unfrozen since the last gather (fine-tuning freezes after wrapping): the full
+        # parameter follows, so autograd makes no gradient for it and nothing is reduced for it.
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
         setattr(self.module, self.name, self.unsharded)
         for module, name in self.aliases:
             setattr(module, name, self.unsharded)
@@ -238,6 +274,15 @@ class FSDPParam:
         # parameter; with a gradient already there (accumulation), add to it.
         raise TodoError("TODO(task1): hand the shard its gradient")
 
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """[Note: post-accumulate-grad hooks] `param.register_post_accumulate_grad_hook(hook)` on a sharded
+        parameter (optimizer in backward) means "the gradient of this parameter is complete". Autograd
+        never accumulates into the sharded parameter (it only sees the full one), so FSDP2 runs these
+        hooks itself once the reduced shard is in `.grad`. torch has no public way to run them: this
+        reads the dict that `register_post_accumulate_grad_hook` fills, as FSDP2 does."""
+        for hook in (getattr(self.sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(self.sharded)
+
     def accumulate_grad(self) -> None:
         """After a backward without gradient sync: keep the full gradient for the next one."""
         # TODO(bonus3): keep the full gradient for the next backward
@@ -256,11 +301,24 @@ class PendingGather:
 
     work: dist.Work | None
     flat: torch.Tensor
+    # Gathered among k ranks from post-forward shards (reshard_after_forward=<int k>):
+    # (world, k, each parameter's padded shard numel).
+    post_forward: tuple[int, int, list[int]] | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
-        return self.flat
+        if self.post_forward is None:
+            return self.flat
+        # The buffer is [k, sum of world/k * numel]: parameter i's k slices, side by side, are its full
+        # padded rows. Lay them out as [world, shard numels], as the world's all-gather would have.
+        world, k, numels = self.post_forward
+        pieces, offset = [], 0
+        for n in numels:
+            width = world * n // k
+            pieces.append(self.flat.view(k, -1)[:, offset:offset + width].reshape(world, n))
+            offset += width
+        return torch.cat(pieces, dim=1).view(-1)
 
 
 @dataclass
@@ -300,13 +358,7 @@ class FSDPGroup:
         self.process_group = mesh.get_group()
         self.world, self.rank = mesh.size(), mesh.get_local_rank()
         self.device = params[0].padded_shard.device
-        self.compute_dtype = params[0].compute_dtype
-        self.orig_dtype = params[0].orig_dtype
-        self.reduce_dtype = params[0].reduce_dtype
-        for p in params:
-            if (p.compute_dtype, p.orig_dtype) != (self.compute_dtype, self.orig_dtype):
-                raise ValueError(f"fully_shard: parameters of one group must share a dtype; "
-                                 f"{p.name} is {p.orig_dtype}, the group's is {self.orig_dtype}")
+        self.init_dtypes()
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.padded_numel)
@@ -319,6 +371,36 @@ class FSDPGroup:
         self.reshard_after_backward = True
         self.reduce_grads = True
         self.prefetching = True  # False: prefetch() does nothing (set_prefetch)
+        # reshard_after_forward=<int k>: rows of k consecutive ranks (FSDP2's post-forward mesh)
+        self.post_forward_mesh: DeviceMesh | None = None
+        self.post_forward_shards: list[torch.Tensor] | None = None
+
+    def init_dtypes(self) -> None:
+        """The group's dtypes, from its parameters' (again after `model.to(dtype)`): one flat buffer has one dtype."""
+        self.compute_dtype = self.params[0].compute_dtype
+        self.orig_dtype = self.params[0].orig_dtype
+        self.reduce_dtype = self.params[0].reduce_dtype
+        dtypes = {p.orig_dtype for p in self.params}
+        if len(dtypes) > 1:
+            # FSDP2 raises this AssertionError (for its trainable parameters) at the first forward.
+            raise AssertionError(
+                f"FSDP expects uniform original parameter dtype but got {dtypes}: the parameters of one "
+                "fully_shard group must share a dtype here (one flat all-gather buffer). Instead, cast the "
+                "module (module.to(dtype)), give the parameters of the other dtype their own fully_shard call, "
+                "or use torch.distributed.fsdp.fully_shard")
+
+    def lazy_init(self, names: dict[int, str]) -> None:
+        """At the root's first forward: every parameter must be materialised by now (a model built on
+        the meta device is materialised with `to_empty` and initialised after fully_shard)."""
+        on_meta = [names.get(id(p.sharded), p.name) for p in self.params if p.sharded.device.type == "meta"]
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the following "
+                f"were still on meta device: {on_meta}\nFor example, call module.to_empty(device) to materialize "
+                "to device and call module.reset_parameters() on each module to initialize values.")
+        for p in self.params:
+            p.init_dtypes()
+        self.init_dtypes()
 
     def label(self, phase: str) -> str:
         """A profiler range name like FSDP2's: `FSDP::all_gather (layers.3)`."""
@@ -334,10 +416,16 @@ class FSDPGroup:
 
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op if gathered or already on the way)."""
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            return self.unshard_post_forward()
         if self.state is not ShardedState.SHARDED:
             return
         for p in self.params:
             p.check_storage()
+        if self.world == 1:  # one rank's shards are the whole parameters: FSDP2 issues no collective
+            flat = torch.cat([p.padded_shard.reshape(-1).to(self.compute_dtype) for p in self.params])
+            self.pending_gather, self.state = PendingGather(None, flat), ShardedState.GATHERING
+            return
         with record_function(self.label(ALL_GATHER_RANGE)):
             # TODO(task1): start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
@@ -359,12 +447,42 @@ class FSDPGroup:
 
     def reshard(self) -> None:
         """Back to shards only: free the full parameters."""
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            self.post_forward_shards, self.state = None, ShardedState.SHARDED
         if self.state is not ShardedState.GATHERED:
             return
         # TODO(task1): free the group's full parameters
         # The modules go back to the sharded parameters, and the full ones give their memory back.
         raise TodoError("TODO(task1): free the group's full parameters")
         self.state = ShardedState.SHARDED
+
+    # [Note: resharding to a smaller group] reshard_after_forward=<int k> (FSDP2's post-forward mesh):
+    # after forward each rank keeps its 1/k of every full (padded) parameter, the slice its place in a
+    # row of k consecutive ranks owns, so that backward's all-gather runs among those k ranks only:
+    # more memory than resharding to the world, less traffic. The values gathered are the same.
+
+    def reshard_to_post_forward(self) -> None:
+        if self.state is not ShardedState.GATHERED:
+            return
+        k, place = self.post_forward_mesh.size(1), self.post_forward_mesh.get_local_rank(1)
+        self.post_forward_shards = [p.gathered.reshape(k, -1)[place].clone() for p in self.params]
+        self.reshard()
+        self.state = ShardedState.SHARDED_POST_FORWARD
+
+    def unshard_post_forward(self) -> None:
+        k, place = self.post_forward_mesh.size(1), self.post_forward_mesh.get_local_rank(1)
+        with record_function(self.label(ALL_GATHER_RANGE)):
+            total = sum(shard.numel() for shard in self.post_forward_shards)
+            flat = torch.empty(k * total, dtype=self.compute_dtype, device=self.device)
+            torch.cat(self.post_forward_shards, out=flat.view(k, total)[place])
+            # TODO(bonus1): gather the post-forward shards among k ranks
+            # As task 1's all-gather, over this rank's row of the post-forward mesh (its dim 1).
+            # stand-in until this TODO is done (replace it):
+            raise TodoError("TODO(bonus1): gather the post-forward shards among k ranks")
+            numels = [p.padded_numel for p in self.params]
+            self.pending_gather = PendingGather(work, flat, (self.world, k, numels))
+        self.post_forward_shards = None
+        self.state = ShardedState.GATHERING
 
     def discard_pending_gather(self) -> None:
         """A prefetch nobody used (the module did not run): finish it and drop the buffer."""
@@ -384,6 +502,9 @@ class FSDPGroup:
                 grads.append(grad)
         if not grads:
             return None
+        if self.world == 1:  # one rank's gradients are the reduced ones: FSDP2 issues no collective
+            output = torch.cat([grad.reshape(-1).to(self.reduce_dtype) for grad in grads])
+            return PendingReduce(self, None, output, params)
         with record_function(self.label(REDUCE_SCATTER_RANGE)):
             # TODO(task1): start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
@@ -396,6 +517,8 @@ class FSDPGroup:
         # Each parameter reduced gets its slice of the output (where its gradient sat in the input),
         # in its own dtype.
         raise TodoError("TODO(task1): finish the reduce-scatter")
+        for p in pending.params:
+            p.run_post_accumulate_grad_hooks()
 
 
 # --------------------------------------------------------------------------------------
@@ -406,9 +529,12 @@ class FSDPGroup:
 class RootContext:
     """What the groups under one root share during a step."""
 
-    def __init__(self, states: list[FSDPState]):
+    def __init__(self, states: list[FSDPState], is_last_backward: bool = True):
         self.states = states
         self.final_callback_queued = False
+        # set_is_last_backward(False): more backwards follow before the optimizer step (microbatches),
+        # so backward keeps what forward recorded for prefetching.
+        self.is_last_backward = is_last_backward
         # TODO(task2): what a forward remembers for the next one
         # Forward prefetch needs to know, before a group runs, which group ran after it last time.
         # TODO(task3): what backward needs from forward, and the reduce-scatter in flight
@@ -427,31 +553,53 @@ class FSDPState:
     (compiled autograd) takes them in either.
     """
 
-    def __init__(self, module: nn.Module, group: FSDPGroup | None, mp_policy: MixedPrecisionPolicy,
+    def __init__(self, modules: list[nn.Module], group: FSDPGroup | None, mp_policy: MixedPrecisionPolicy,
                  reshard_after_forward: bool | None):
-        self.module, self.group, self.mp_policy = module, group, mp_policy
+        self.modules, self.group, self.mp_policy = modules, group, mp_policy
+        self.module = modules[0]
         self.auto_reshard_after_forward = reshard_after_forward is None
         if group is not None:
             group.reshard_after_forward = reshard_after_forward is not False
         self.ctx: RootContext | None = None
         self.is_root = False
+        self.is_last_backward = True  # set before the first forward; the root's goes to the RootContext
         self.training_state = TrainingState.IDLE
-        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self.post_forward, always_call=True)
+        # Explicit prefetch (set_modules_to_forward_prefetch / ..._backward_prefetch): the states
+        # whose all-gathers this one starts right after its own.
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
+        if len(modules) == 1:
+            modules[0].register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            modules[0].register_forward_hook(self.post_forward, always_call=True)
+        else:
+            _register_group_forward_hooks(self, modules)
+        if group is not None:
+            # [Note: state dicts are always sharded] FSDP2's state_dict() holds the sharded DTensors even
+            # while the parameters are gathered (the root after an eval forward): saving or loading first
+            # reshards the group, so a checkpoint never mixes full tensors and DTensors.
+            for m in {id(owner): owner for p in group.params for owner, _ in [(p.module, p.name), *p.aliases]}.values():
+                m.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
+                m.register_load_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
 
     def lazy_init(self) -> None:
         """The first FSDP module to run forward is the root: it collects the states below it."""
-        states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
-        ctx = RootContext(states)
+        # One state per fully_shard call (a call on a list of modules shares one among them).
+        states = list(dict.fromkeys(m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)))
+        ctx = RootContext(states, self.is_last_backward)
         for state in states:
             if state.ctx is not None:
                 raise RuntimeError("fully_shard: run forward through the root module first; a module "
                                    "wrapped inside it already ran forward on its own")
             state.ctx = ctx
         self.is_root = True
+        fqns: dict[FSDPGroup, list[str]] = {}
         for fqn, m in self.module.named_modules():
             if isinstance(m, FSDPModule) and m._fsdp_state.group is not None:
-                m._fsdp_state.group.fqn = fqn
+                fqns.setdefault(m._fsdp_state.group, []).append(fqn)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        for group, group_fqns in fqns.items():
+            group.fqn = ", ".join(group_fqns)
+            group.lazy_init(names)
         # The root's parameters are needed again right at the start of backward: by default
         # they stay gathered after forward (as in FSDP2).
         if self.group is not None and self.auto_reshard_after_forward:
@@ -473,10 +621,11 @@ class FSDPState:
             self.lazy_init()
         ctx = self.ctx
         self.training_state = TrainingState.FORWARD
-        if self.mp_policy.param_dtype is not None:
-            cast = lambda t: t.to(self.mp_policy.param_dtype) if t.is_floating_point() else t
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            cast = _cast_to(self.mp_policy.param_dtype)
             args, kwargs = _map_tensors(cast, args), _map_tensors(cast, kwargs)
         if self.group is None:
+            _prefetch(self.forward_prefetch)
             return args, kwargs
         with record_function(self.group.label("pre_forward")):
             self.group.unshard()  # no-op if prefetched or still gathered
@@ -484,6 +633,7 @@ class FSDPState:
             # TODO(task2): forward prefetch
             # Prefetch the group that will run after this one, so that its all-gather runs while
             # this group computes; it is waited for where it is used (H10).
+            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch
         if torch.is_grad_enabled():
             # Identity in forward; its backward runs once the gradients w.r.t. the inputs
             # exist, i.e. when this group's backward is done: that is the post-backward.
@@ -497,6 +647,8 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         if self.group is not None:
             with record_function(self.group.label("post_forward")):
+                if self.group.post_forward_mesh is not None:  # reshard_after_forward=<int>
+                    self.group.reshard_to_post_forward()
                 # TODO(bonus1): keep the parameters gathered until backward when asked
                 # With reshard_after_forward=False a group keeps its full parameters from forward to
                 # backward (the root by default: backward starts with it), so backward gathers nothing.
@@ -504,7 +656,7 @@ class FSDPState:
                 if not self.is_root:  # FSDP2's default: the root stays gathered
                     self.group.reshard()
         if not torch.is_grad_enabled():
-            return output
+            return self.cast_output(output)
         if self.group is not None:
             # TODO(task3): remember where this group ran, for backward
             # Backward visits the groups in the reverse of the order in which forward finished them.
@@ -512,7 +664,14 @@ class FSDPState:
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(self.pre_backward)
-        return output
+        return self.cast_output(output)
+
+    def cast_output(self, output: Any) -> Any:
+        """MixedPrecisionPolicy.output_dtype: cast after the pre-backward hooks are in place, so the
+        cast's backward runs before this module's pre-backward, as in FSDP2."""
+        if self.mp_policy.output_dtype is None:
+            return output
+        return _map_tensors(_cast_to(self.mp_policy.output_dtype), output)
 
     # ---- backward ---------------------------------------------------------------------
 
@@ -529,6 +688,7 @@ class FSDPState:
             ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(self.final_callback)
         if self.group is None:
+            _prefetch(self.backward_prefetch)
             return grad
         with record_function(self.group.label("pre_backward")):
             # TODO(task3): finish a reduce-scatter that is already done
@@ -539,6 +699,7 @@ class FSDPState:
             # TODO(task3): backward prefetch
             # Prefetch the group whose backward runs next, so that its all-gather runs while this
             # group's backward computes (H11).
+            _prefetch(self.backward_prefetch)  # set_modules_to_backward_prefetch
         return grad
 
     @torch.compiler.disable
@@ -608,6 +769,39 @@ class _PostBackward(torch.autograd.Function):
         return _map_tensors(swap, args), _map_tensors(swap, kwargs)
 
 
+def _prefetch(states: list[FSDPState]) -> None:
+    """Explicit prefetch: start the all-gathers of these states' groups now (no-op where gathered)."""
+    for state in states:
+        if state.group is not None:
+            state.group.prefetch()
+
+
+def _cast_to(to_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Mixed precision casts only floating-point tensors (token ids and masks pass through)."""
+    return lambda t: t.to(to_dtype) if t.is_floating_point() else t
+
+
+def _register_group_forward_hooks(state: FSDPState, modules: list[nn.Module]) -> None:
+    """[Note: one group over several modules] `fully_shard([norm, output])`: one group, one all-gather,
+    one reduce-scatter for both. As in FSDP2, the group's pre-forward runs when the first of its modules
+    starts forward and its post-forward when the last of them has finished (all must run)."""
+    to_run: set[nn.Module] = set()
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if to_run:
+            return None
+        to_run.update(modules)
+        return state.pre_forward(module, args, kwargs)
+
+    def post_hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        to_run.discard(module)
+        return None if to_run else state.post_forward(module, args, output)
+
+    for module in modules:
+        module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
+        module.register_forward_hook(post_hook, always_call=True)
+
+
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -648,6 +842,7 @@ class FSDPModule:
             for p in group.params:
                 p.reset_sharded()
             group.device = group.params[0].padded_shard.device
+            group.init_dtypes()  # model.to(torch.float64) after fully_shard: gather and reduce in it
         return module
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -673,10 +868,32 @@ class FSDPModule:
         self._set("reshard_after_forward", reshard_after_forward, recurse)
         for m in self._fsdp_modules(recurse):
             m._fsdp_state.auto_reshard_after_forward = False
+            if m._fsdp_state.group is not None:
+                m._fsdp_state.group.post_forward_mesh = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: parameters stay gathered after backward, so the next forward needs no all-gather."""
         self._set("reshard_after_backward", reshard_after_backward, recurse)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Right after this module's all-gather in forward, start those of `modules` too (several groups
+        ahead; FSDP2's explicit prefetch). The groups stay gathered until used."""
+        self._fsdp_state.forward_prefetch = _fsdp_states(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Right after this module's all-gather in backward, start those of `modules` too."""
+        self._fsdp_state.backward_prefetch = _fsdp_states(modules)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: more backwards follow before the optimizer step (microbatching, e.g. pipeline 1F1B);
+        backward then keeps what forward recorded for backward prefetching. Gradients are complete
+        after every backward either way."""
+        state = self._fsdp_state
+        if state.ctx is not None:
+            state.ctx.is_last_backward = is_last_backward
+        else:  # before the first forward: the root hands it to the RootContext
+            for m in self._fsdp_modules(recurse=True):
+                m._fsdp_state.is_last_backward = is_last_backward
 
     def set_prefetch(self, prefetch: bool, *, recurse: bool = True) -> None:
         """False: no forward or backward prefetch; each group gathers when it runs (the same
@@ -694,6 +911,13 @@ class FSDPModule:
         return [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
 
 
+def _fsdp_states(modules: list[FSDPModule]) -> list[FSDPState]:
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
+    return [module._fsdp_state for module in modules]
+
+
 class UnshardHandle:
     def __init__(self, group: FSDPGroup | None):
         self.group = group
@@ -703,26 +927,42 @@ class UnshardHandle:
             self.group.wait_for_unshard()
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | None = None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), **unsupported: Any) -> nn.Module:
     """Shard `module`'s parameters (those not already managed by a fully_shard'ed submodule)
     over a 1-D mesh, and gather/reduce them around its forward and backward.
 
+    module: one module, or a list of modules that form one group (one all-gather, one reduce-scatter).
+    mesh: a 1-D DeviceMesh; None: all ranks on FSDP2's default device (the accelerator, else CPU).
     reshard_after_forward: None (default) frees parameters after forward except for the root,
-    True/False force it. Returns the module, whose class now also derives from FSDPModule.
+    True/False force it; an int is the group size to reshard to, as in FSDP2 (on a 1-D mesh: 1 means
+    False, the mesh size True). Returns `module`, whose class (each's) now also derives from FSDPModule.
     """
-    _check_arguments(module, mesh, reshard_after_forward, mp_policy, unsupported)
-    if mesh is None:
-        device = next(module.parameters(), torch.empty(0)).device
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    params = [FSDPParam(m, n, p, mesh, mp_policy, aliases) for m, n, p, aliases in _managed_parameters(module)]
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    _check_modules(modules, unsupported)
+    if mesh is None:  # FSDP2's default: the whole world on the accelerator, else on CPU
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        mesh = init_device_mesh(accelerator.type if accelerator else "cpu", (dist.get_world_size(),))
+    reshard_after_forward = _check_arguments(mesh, reshard_after_forward, mp_policy)
+    post_forward_mesh = None
+    if not isinstance(reshard_after_forward, (bool, type(None))):  # an int k: rows of k ranks
+        # Built on every rank (it creates process groups), as FSDP2's post-forward mesh.
+        post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, reshard_after_forward))
+        reshard_after_forward = False  # after forward: the post-forward shards, not the world's
+    device = _mesh_device(mesh)
+    found = _managed_parameters(modules, device)
+    params = [FSDPParam(m, n, p, mesh, mp_policy, aliases) for m, n, p, aliases in found]
     group = FSDPGroup(params, mesh) if params else None
-    cls = module.__class__
-    if cls not in _FSDP_CLASSES:  # one FSDP class per module class, as FSDP2
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = _FSDP_CLASSES[cls]
-    module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward)
+    state = FSDPState(modules, group, mp_policy, reshard_after_forward)
+    if group is not None:
+        group.post_forward_mesh = post_forward_mesh
+    for m in modules:
+        cls = m.__class__
+        if cls not in _FSDP_CLASSES:  # one FSDP class per module class, as FSDP2
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.__class__ = _FSDP_CLASSES[cls]
+        m._fsdp_state = state
     return module
 
 
@@ -731,16 +971,32 @@ _FSDP_CLASSES: dict[type, type] = {}
 _SHARDED_ORIGINALS: dict[int, weakref.ref] = {}
 
 
-def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter, list]]:
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device FSDP keeps shards on: the mesh's type (CPU, or this process's accelerator)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def _managed_parameters(modules: list[nn.Module], device: torch.device) -> list[tuple[nn.Module, str, nn.Parameter, list]]:
     """(owner, name, parameter, other places holding it), post-order, skipping subtrees that are
-    already FSDP modules. A parameter shared within the group is managed once (tied weights)."""
+    already FSDP modules. A parameter shared within the group is managed once (tied weights).
+    As FSDP2, moves the parameters and buffers to the mesh's device (those on meta stay there:
+    materialised later with `to_empty`)."""
     found: list[tuple[nn.Module, str, nn.Parameter, list]] = []
     first: dict[int, int] = {}
+    seen: set[int] = set()
 
     def visit(m: nn.Module, prefix: str) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
         for child_name, child in m.named_children():
             if not isinstance(child, FSDPModule):
                 visit(child, prefix + child_name + ".")
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device and b.device.type != "meta":
+                m._buffers[name] = b.to(device)
         for name, p in m._parameters.items():
             if p is None:
                 continue
@@ -749,18 +1005,25 @@ def _managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Para
                     f"fully_shard: parameter {prefix}{name} is shared with a module that an earlier fully_shard "
                     "call already sharded (tied weights across groups): each group would shard its own copy "
                     "and the two would silently part ways. Keep tied modules in one fully_shard group")
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"fully_shard: parameter {prefix}{name} is already a DTensor (tensor parallel?): this FSDP "
+                    "shards plain tensors over a 1-D mesh only. Apply fully_shard to a model without "
+                    "DTensor parameters, or use torch.distributed.fsdp.fully_shard for FSDP + TP")
             if id(p) in first:
                 found[first[id(p)]][3].append((m, name))
-            else:
-                first[id(p)] = len(found)
-                found.append((m, name, p, []))
+                continue
+            if p.device != device and p.device.type != "meta":  # in place: tied modules keep sharing it
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))
+            first[id(p)] = len(found)
+            found.append((m, name, p, []))
 
-    visit(module, "")
+    for module in modules:
+        visit(module, "")
     return found
 
 
-def _check_arguments(module: nn.Module, mesh: DeviceMesh | None, reshard_after_forward: Any,
-                     mp_policy: Any, unsupported: dict[str, Any]) -> None:
+def _check_modules(modules: list[nn.Module], unsupported: dict[str, Any]) -> None:
     for name, value in unsupported.items():
         # FSDP2's default OffloadPolicy() offloads nothing; any subclass (CPUOffloadPolicy) does. Told apart
         # by name: importing torch.distributed.fsdp would be using FSDP2.
@@ -769,19 +1032,56 @@ def _check_arguments(module: nn.Module, mesh: DeviceMesh | None, reshard_after_f
         if name not in harmless:
             raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
         if not harmless[name]:
-            raise NotImplementedError(f"fully_shard: {name}={value!r} is an FSDP2 feature this FSDP does "
-                                      "not implement; drop it or use torch.distributed.fsdp.fully_shard")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes one nn.Module (lists of modules are not supported), got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard: {type(module).__name__} is already sharded")
+            raise NotImplementedError(f"fully_shard: {name}={value!r} is not supported here: {_REFUSED[name]}")
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
+        if isinstance(module, FSDPModule):
+            raise ValueError(f"fully_shard: {type(module).__name__} is already sharded")
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs a process group: call dist.init_process_group first")
-    if mesh is not None and mesh.ndim != 1:
-        raise NotImplementedError(f"fully_shard: only 1-D meshes are supported (got {mesh.ndim}-D: HSDP is FSDP2-only)")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(f"fully_shard: reshard_after_forward must be None, True or False, got "
-                                  f"{reshard_after_forward!r} (resharding to a smaller group is FSDP2-only)")
+
+
+# What to use instead of each FSDP2 argument this FSDP refuses (README, instructors' section).
+_REFUSED = {
+    "ignored_params": "every parameter of the modules passed is sharded. Keep those parameters out of the "
+                      "modules you pass (e.g. fully_shard the submodules without them), or use "
+                      "torch.distributed.fsdp.fully_shard",
+    "shard_placement_fn": "every parameter is sharded on dim 0 (Shard(0)). Drop the argument, or use "
+                          "torch.distributed.fsdp.fully_shard to shard on another dim",
+    "offload_policy": "parameters stay on the mesh's device. Drop the argument (or pass OffloadPolicy()), "
+                      "or use torch.distributed.fsdp.fully_shard for CPU offload",
+}
+
+
+def _check_arguments(mesh: DeviceMesh, reshard_after_forward: Any, mp_policy: Any) -> bool | int | None:
+    """FSDP2's validation of the mesh and of reshard_after_forward; returns reshard_after_forward
+    as None, True, False or an int strictly between 1 and the mesh size."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified (and note: this "
+                             "FSDP takes a 1-D mesh only; use a 1-D mesh, or torch.distributed.fsdp.fully_shard)")
+    if mesh.ndim == 2:
+        raise NotImplementedError(
+            "fully_shard: a 2-D mesh (HSDP: shard on one dim, replicate on the other) is not supported here. "
+            f"Pass a 1-D mesh instead, e.g. mesh[{mesh.mesh_dim_names[1]!r}] or init_device_mesh(type, (world,)), "
+            "or use torch.distributed.fsdp.fully_shard")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError("reshard_after_forward should be a bool or an int representing the group size to "
+                         f"reshard to, not {reshard_after_forward}")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        mesh_size = mesh.size()
+        if reshard_after_forward < 1 or reshard_after_forward > mesh_size or mesh_size % reshard_after_forward:
+            raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {mesh_size}, "
+                             f"not {reshard_after_forward}")
+        if reshard_after_forward == 1:  # FSDP2: resharding to one rank keeps every parameter: False
+            warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+                          "instead of reshard_after_forward=True (bool)", stacklevel=3)
+            reshard_after_forward = False
+        elif reshard_after_forward == mesh_size:
+            reshard_after_forward = True
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be this module's MixedPrecisionPolicy, got "
                         f"{type(mp_policy).__module__}.{type(mp_policy).__name__}")
+    return reshard_after_forward
