@@ -1131,7 +1131,7 @@ def _managed_parameters(modules: list[nn.Module], device: torch.device) -> list[
                 found[first[id(p)]][3].append((m, name))
                 continue
             if p.device != device and p.device.type != "meta":  # in place: tied modules keep sharing it
-                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))
+                p.data = p.detach().to(device)
             first[id(p)] = len(found)
             found.append((m, name, p, []))
 

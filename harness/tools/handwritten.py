@@ -69,7 +69,7 @@ STDLIB_IMPORTS = {"__future__", "math", "dataclasses", "enum", "typing", "collec
 TORCH_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "torch.nn.init", "torch.nn.parameter",
                  "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.placement_types",
                  "torch.distributed.device_mesh", "torch.autograd", "torch.autograd.graph", "torch.autograd.function",
-                 "torch.profiler", "torch.compiler", "torch.cuda", "torch.utils.hooks"}
+                 "torch.profiler", "torch.compiler", "torch.cuda", "torch.accelerator", "torch.utils.hooks"}
 ALLOWED_IMPORTS = STDLIB_IMPORTS | TORCH_IMPORTS
 OS_ATTRS = {"environ", "getenv", "getpid", "cpu_count"}  # reading settings; not files, not processes
 ENVIRON_ATTRS = {"get", "items", "keys", "values", "copy"}  # os.environ is read, never changed
@@ -82,8 +82,10 @@ SUBMODULE_ATTRS = {m.rsplit(".", 1)[-1] for m in TORCH_IMPORTS if "." in m} | {"
 SHADOWED_MODULE_ATTRS = {"modules", "module", "grad", "cpu", "storage", "flatten", "linear", "dropout", "fold",
                          "sparse", "copy"}
 # Private names an FSDP needs: the engine's end-of-backward callback (FSDP2 and DDP use it too),
-# a module's tables and its _apply (to_empty), a namedtuple's fields.
-PRIVATE_ATTRS = {"_execution_engine", "_parameters", "_buffers", "_modules", "_apply", "_fields"}
+# a module's tables and its _apply (to_empty), a namedtuple's fields, and a tensor's post-accumulate-grad
+# hooks (an FSDP sets the sharded gradient itself, so it must run them as autograd would; FSDP2 does).
+PRIVATE_ATTRS = {"_execution_engine", "_parameters", "_buffers", "_modules", "_apply", "_fields",
+                 "_post_accumulate_grad_hooks"}
 
 # Names refused wherever they appear, each with what to do instead.
 _COMPUTED = "import what you need with a plain `import torch...` at the top and use it by name"
