@@ -160,9 +160,9 @@ def test_reshard_after_forward_to_a_smaller_group(pool4, dtype):
 
 
 def test_refusals_name_the_argument_and_the_alternative(pools):
-    pool2 = pools(2)
     """What the reference refuses by design (FSDP2 supports it): the exception names the argument and
     what to use instead; where FSDP2 validates (mixed dtypes, unnamed 2-D mesh) FSDP2's exception type."""
+    pool2 = pools(2)
     ref = checks.run(pool2, dropin.case_refused, None)[0]
     got = checks.run(pool2, dropin.case_refused, REFERENCE)[0]
     for what, argument in {"ignored_params": "ignored_params", "shard_placement_fn": "shard_placement_fn",
