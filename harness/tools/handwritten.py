@@ -521,13 +521,6 @@ class _Check:
                            f"({node.id}.something), so the check can read what is used")
         return None
 
-    def in_given_lookup(self, node: ast.AST) -> bool:
-        """Whether `node` lies in register_fsdp_forward_method exactly as given (GIVEN_LOOKUP)."""
-        while (node := self.parents.get(id(node))) is not None:
-            if isinstance(node, ast.FunctionDef) and node.name == "register_fsdp_forward_method":
-                return _shape(node) == _shape(ast.parse(GIVEN_LOOKUP).body[0])
-        return False
-
     def call_problem(self, node: ast.Call) -> str | None:
         where = self.where(node)
         func = node.func.id if isinstance(node.func, ast.Name) else None
@@ -537,7 +530,7 @@ class _Check:
                 return problem
             if isinstance(key, ast.Constant) and isinstance(key.value, str):
                 return self.attribute_problem(key.value, node)
-            if func in ("getattr", "hasattr") and not self.in_given_lookup(node):
+            if func in ("getattr", "hasattr"):
                 return Outside(f"{where}: {func} with a computed attribute name: write the name out, e.g. "
                                f"{func}(obj, \"name\") or obj.name")
             # setattr/delattr with a computed name on the file's own objects is how a module's
@@ -562,36 +555,6 @@ class _Check:
             return Outside(f"{where} makes an enum from strings, whose functional API sets any attribute on the "
                            "class it makes: write the enum out as a class")
         return None
-
-
-# The one lookup by a run-time name an FSDP needs: FSDP2's register_fsdp_forward_method patches the
-# method its caller names (solution/fsdp.py, given code in the skeleton; a test keeps the two equal). A
-# file may hold it unchanged (compared as syntax, docstring aside): it reaches only a public method of an
-# FSDP module and calls it around the forward hooks, so it cannot serve as a general getattr.
-GIVEN_LOOKUP = """
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"{type(module)} does not have a method {method_name}")
-    method = getattr(module, method_name)
-
-    @functools.wraps(method)
-    def forward_method(*args: Any, **kwargs: Any) -> Any:
-        state = module._fsdp_state
-        args, kwargs = state.pre_forward(module, args, kwargs)
-        return state.post_forward(module, args, method(*args, **kwargs))
-
-    setattr(module, method_name, forward_method)
-"""
-
-
-def _shape(func: ast.FunctionDef) -> str:
-    """A function's syntax without its docstring or positions."""
-    body = func.body[1:] if func.body and isinstance(func.body[0], ast.Expr) and isinstance(
-        func.body[0].value, ast.Constant) and isinstance(func.body[0].value.value, str) else func.body
-    return ast.dump(func.args) + ast.dump(ast.Module(body=body, type_ignores=[])) + \
-        "".join(map(ast.dump, func.decorator_list)) + (ast.dump(func.returns) if func.returns else "")
 
 
 def _position(node: ast.AST) -> tuple[int, int, int, int]:

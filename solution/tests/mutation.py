@@ -278,10 +278,6 @@ CHEATS.update(BOUNDARY_CHEATS)
 # The source check's allowlist (harness/tools/handwritten.py) against doors a list of refused names
 # left open: each file is refused before any rank runs, with the words of SOURCE_REFUSALS[name].
 SOURCE_CHEATS: dict[str, str] = {
-    # The given register_fsdp_forward_method bent into a general lookup (os through torch by a run-time name).
-    "bent-forward-method": ("import torch\n\n\ndef register_fsdp_forward_method(module, method_name):\n"
-                            "    return getattr(torch, method_name)\n\n\n"
-                            "register_fsdp_forward_method(None, 'o' + 's')\n"),
     # A string annotation made code by typing.get_type_hints.
     "annotation-type-hints": ("from __future__ import annotations\nimport typing\n\n\nclass A:\n"
                               "    x: \"__import__('os').system('id')\"\n\n\ntyping.get_type_hints(A)\n"),
@@ -385,7 +381,6 @@ SOURCE_CHEATS: dict[str, str] = {
     "global-module-hook": 'import torch\nh = torch.nn.modules.module.register_module_forward_hook(print)\n',
 }
 SOURCE_REFUSALS: dict[str, str] = {
-    "bent-forward-method": "getattr with a computed attribute name",
     "annotation-type-hints": '`get_type_hints`',
     "forward-ref": '`ForwardRef`',
     "forward-ref-private": '`._evaluate`, which is private',
