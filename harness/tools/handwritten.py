@@ -108,6 +108,9 @@ ADVICE = {
                      "CUDAPluggableAllocator", "change_current_allocator", "breakpoint"), _CODE),
     **dict.fromkeys(("globals", "locals", "vars", "_getframe", "currentframe", "gc", "ctypes", "inspect", "mro"),
                     _ARGS),
+    **dict.fromkeys(("init_process_group", "new_group", "rendezvous"),
+                    "the process group is set up before the FSDP runs (a store is a file or a socket): use the "
+                    "mesh fully_shard is given, or DeviceMesh over its ranks"),
     **dict.fromkeys(("open", "subprocess", "serialization", "_open_file", "_open_zipfile_reader",
                      "_open_zipfile_writer", "save", "load", "PyTorchFileReader", "PyTorchFileWriter",
                      "FileStore", "TCPStore", "HashStore", "PrefixStore", "export_chrome_trace", "export_stacks",
@@ -158,6 +161,19 @@ PICKLING_HOOKS = {"__reduce__", "__reduce_ex__", "__getstate__", "__setstate__",
 _PICKLE_ADVICE = ("a pickling hook runs code wherever the object is unpickled (the grader's side); an FSDP's "
                   "objects are never pickled: remove it")
 _PUBLIC_API = "use the public API (torch, torch.distributed, DTensor, nn, autograd)"
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_callables() -> frozenset[str]:
+    """Names of the functions and methods of torch, its tensors, modules and collectives (not data
+    attributes such as `.grad`, `.data` or `.requires_grad`, which an FSDP sets)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    owners = (torch, torch.Tensor, torch.nn.Module, torch.nn.Parameter, dist, F)
+    return frozenset(n for o in owners for n in dir(o) if not _dunder(n)
+                     and callable(inspect.getattr_static(o, n, None)) and not isinstance(inspect.getattr_static(o, n, None), type)
+                     and not isinstance(inspect.getattr_static(o, n, None), property))
 
 
 def _dunder(name: str) -> bool:
@@ -422,7 +438,10 @@ class _Check:
             return Outside(f"{where} uses `.{name}`, which is the module {module} there: an FSDP "
                            f"reaches no module but those it imports; {_COMPUTED} (and name your own attributes "
                            "otherwise)")
-        if name in self.names.api or (name in self.own and not imported and name not in self.names.introspected):
+        # The file's own names are its objects' attributes: never those of a module, class or function that
+        # torch or Python gave it (`base`, where the check can tell), whatever that object's name set holds.
+        if name in self.names.api or (name in self.own and not imported and base is None
+                                      and name not in self.names.introspected):
             return None
         if name in self.names.introspected:
             return Outside(f"{where} uses `.{name}`, which is private to torch or Python: {_PUBLIC_API}, "
@@ -457,8 +476,39 @@ class _Check:
                            f"fields name; {advice}")
         return None
 
+    def on_own_instance(self, node: ast.Attribute) -> bool:
+        """Whether `node` writes an attribute of `self` in a method of one of the file's classes (the
+        method's first argument, never rebound in it): the file's own instance, whose names are its own."""
+        func = self.parents.get(id(node))
+        while func is not None and not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            func = self.parents.get(id(func))
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
+                not isinstance(self.parents.get(id(func)), ast.ClassDef) or not func.args.args:
+            return False
+        me = func.args.args[0].arg
+        rebound = any(isinstance(n, ast.Name) and n.id == me and not isinstance(n.ctx, ast.Load)
+                      for n in ast.walk(func)) or any(isinstance(n, (ast.Global, ast.Nonlocal)) and me in n.names
+                                                      for n in ast.walk(func))
+        return isinstance(node.value, ast.Name) and node.value.id == me and not rebound
+
     def node_problem(self, node: ast.AST) -> str | None:
         where = self.where(node)
+        # torch's own functions and methods are never the file's to replace, under whatever alias it reached
+        # them (a list item, a loop variable, a default argument, `type(t)`): no write to an attribute so named.
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) \
+                and node.attr in _torch_callables() and not self.on_own_instance(node) \
+                and not self.write_problem(node.value, "writes"):  # that one's own words below
+            return Outside(f"{where} writes over `.{node.attr}`, the name of a torch function or method: an FSDP "
+                           "calls torch and changes none of it; store your own values under names of your own")
+        # A dunder written as a string or a keyword becomes an attribute where the check cannot see it
+        # (type()'s namespace, dict(__getattr__=...), enum's functional API, setattr): only the allowed ones.
+        dunder = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else \
+            node.arg if isinstance(node, ast.keyword) else None
+        if dunder and _dunder(dunder) and dunder not in ALLOWED_METHODS:
+            return Outside(f"{where} names `{dunder}` in a string or keyword: "
+                           + (_PICKLE_ADVICE if dunder in PICKLING_HOOKS else
+                              "a hook Python calls on its own, which a hand-written FSDP does not need; write a "
+                              "plain method and call it"))
         if isinstance(node, (ast.Name, ast.Attribute)) and self.resolve(node) is os.environ:
             parent = self.parents.get(id(node))
             if not (isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node

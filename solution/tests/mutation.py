@@ -278,6 +278,26 @@ CHEATS.update(BOUNDARY_CHEATS)
 # The source check's allowlist (harness/tools/handwritten.py) against doors a list of refused names
 # left open: each file is refused before any rank runs, with the words of SOURCE_REFUSALS[name].
 SOURCE_CHEATS: dict[str, str] = {
+    # A private torch function that unpickles, reached by defining its name as the file's own.
+    'own-name-on-torch-module': 'import torch\n\n\nclass Shard:\n    def __init__(self):\n        self._load_from_bytes = None\n\n\npayload = b"cbuiltins\\nexec\\n(S\'import os; print(\\"pickle ran code, cwd:\\", os.getcwd())\'\\ntR."\ntry:\n    torch.storage._load_from_bytes(payload)\nexcept RuntimeError:\n    pass\n',
+    # torch.Tensor.add_ replaced through a tensor's __class__.
+    'write-through-instance-class': 'import torch\n\nt = torch.zeros(1)\norig = t.add_\n\n\ndef fake(*args, **kwargs):\n    print("torch.Tensor.add_ replaced")\n    return t\n\n\nt.__class__.add_ = fake\ntorch.ones(1).add_(1)\n',
+    # A collective replaced through the module held in a list.
+    'write-through-list-item': 'import torch\nimport torch.distributed as dist\n\nmods = [torch.distributed]\n\n\ndef fake_all_reduce(*args, **kwargs):\n    print("dist.all_reduce replaced")\n\n\nmods[0].all_reduce = fake_all_reduce\ndist.all_reduce(torch.zeros(1))\n',
+    # A tensor method replaced through a loop variable bound to torch.Tensor.
+    'write-through-loop-variable': 'import torch\n\n\ndef fake(*args, **kwargs):\n    print("Tensor.sum replaced via for-target")\n    return 0\n\n\nfor T in (torch.Tensor,):\n    T.sum = fake\ntorch.zeros(1).sum()\n',
+    # A pickling hook set through an alias of type().
+    'type-alias-namespace': 'T = type\n\n\ndef hook(self):\n    print("__reduce__ defined through type alias:", self)\n    return (print, ("reduced",))\n\n\nR = T("R", (), {"__reduce__": hook, "__del__": hook})\nr = R()\ndel r\n',
+    # Python's hooks set through dict() keywords on a class made by type(int).
+    'dict-keyword-dunder': 'def on_getattr(self, name):\n    print("__getattr__ hook for", name)\n    return name\n\n\ndef on_init_subclass(cls, **kw):\n    print("__init_subclass__ ran for", cls.__name__)\n\n\nB = type(int)("B", (), dict(__getattr__=on_getattr, __init_subclass__=classmethod(on_init_subclass)))\n\n\nclass C(B):\n    pass\n\n\nprobe = None\nprint(C().probe)\n',
+    # A pickling hook set through an alias of enum's functional API.
+    'enum-alias-hook': 'import enum\n\nE = enum.Enum\n\n\ndef red(self, proto):\n    print("pickling hook on enum class")\n    return (print, ("x",))\n\n\nX = E("X", [("__reduce_ex__", red), ("a", 1)])\nprint(X)\n',
+    # A pickling hook for any class through copy's dispatch table.
+    'copyreg-dispatch-table': 'import dataclasses\nimport torch\n\n\nclass Plain:\n    pass\n\n\ndef reducer(obj):\n    print("pickling hook ran (copyreg.dispatch_table via dataclasses.copy)")\n    return (Plain, ())\n\n\nclass Mine:\n    def __init__(self):\n        self.dispatch_table = None\n        self.deepcopy = None\n\n\ndataclasses.copy.dispatch_table.update({Plain: reducer})\ndataclasses.copy.deepcopy(Plain())\n',
+    # A forward hook on every module through torch's private hook table.
+    'global-hook-table': 'import torch\n\n\nclass Mine:\n    def __init__(self):\n        self._global_forward_hooks = None\n\n\ndef everywhere(module, args, output):\n    print("global forward hook on", type(module).__name__)\n\n\ntorch.nn.modules.module._global_forward_hooks.update({12345: everywhere})\ntorch.nn.Linear(2, 2)(torch.zeros(2))\n',
+    # A process group of its own over a file store.
+    'process-group-file-store': 'import torch.distributed as dist\n\ndist.init_process_group("gloo", init_method="file:///tmp/redteam/pgstore", rank=0, world_size=1)\nprint("process group over a FileStore:", dist.get_world_size())\ndist.destroy_process_group()\n',
     # A string annotation made code by typing.get_type_hints.
     "annotation-type-hints": ("from __future__ import annotations\nimport typing\n\n\nclass A:\n"
                               "    x: \"__import__('os').system('id')\"\n\n\ntyping.get_type_hints(A)\n"),
@@ -381,6 +401,16 @@ SOURCE_CHEATS: dict[str, str] = {
     "global-module-hook": 'import torch\nh = torch.nn.modules.module.register_module_forward_hook(print)\n',
 }
 SOURCE_REFUSALS: dict[str, str] = {
+    'own-name-on-torch-module': '`._load_from_bytes`',
+    'write-through-instance-class': 'writes over `.add_`',
+    'write-through-list-item': 'writes over `.all_reduce`',
+    'write-through-loop-variable': 'writes over `.sum`',
+    'type-alias-namespace': 'names `__reduce__` in a string or keyword',
+    'dict-keyword-dunder': 'names `__getattr__` in a string or keyword',
+    'enum-alias-hook': 'names `__reduce_ex__` in a string or keyword',
+    'copyreg-dispatch-table': '`.dispatch_table`',
+    'global-hook-table': '`._global_forward_hooks`',
+    'process-group-file-store': '`init_process_group`',
     "annotation-type-hints": '`get_type_hints`',
     "forward-ref": '`ForwardRef`',
     "forward-ref-private": '`._evaluate`, which is private',
