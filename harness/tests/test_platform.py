@@ -318,10 +318,10 @@ def test_graded_checks_under_simulated_macos(impl):
     skip_unfinished(impl)
     code = f"""
 from harness.tools import checks
-from harness.tools.ranks import RankPool
+from harness.tools.ranks import Ranks
 from harness.tests.test_platform import ranks_platform
-with RankPool(2) as pool:
-    print("ranks", pool.run(ranks_platform))
+with Ranks(2) as pool:
+    print("ranks", pool.trusted.run(ranks_platform))
     checks.check_step(pool, {impl!r}, "bfloat16", "float32")
     print("parity ok")
     print("memory:", checks.check_memory(pool, {impl!r}, "float32", "float32"))
