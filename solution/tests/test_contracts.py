@@ -44,8 +44,7 @@ def test_offload_policy_told_apart_without_fsdp2():
     from torch import nn
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    check = lambda policy: fsdp._check_arguments(nn.Linear(2, 2), None, None, fsdp.MixedPrecisionPolicy(),
-                                                 {"offload_policy": policy})
+    check = lambda policy: fsdp._check_modules([nn.Linear(2, 2)], {"offload_policy": policy})
     with pytest.raises(RuntimeError, match="process group"):
         check(OffloadPolicy())
     with pytest.raises(NotImplementedError, match="offload_policy=CPUOffloadPolicy"):
