@@ -35,6 +35,14 @@ MAX_FILE = 1 << 30
 MAX_FILES = 4096
 
 
+KEPT = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "CXX", "CC", "CUDA_HOME", "CUDA_PATH",
+                  "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED",
+                  "PYTHONUNBUFFERED", "PYTHONWARNINGS", "FSDP_PLATFORM"})
+"""the grader's environment variables a sandboxed rank keeps (with those starting KEPT_PREFIXES):
+the run's settings, never a credential or a path into the grader's own files"""
+KEPT_PREFIXES = ("LC_", "CUDA_VISIBLE", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "KINETO_")
+
+
 class SandboxError(RuntimeError):
     """Root cannot run a file under test as the unprivileged user; the text says how to fix it."""
 
@@ -162,11 +170,21 @@ def enter(private: Private) -> None:
     # (/proc/self/clear_refs, harness/compat.py)
     if libc.prctl(4, 1, 0, 0, 0) != 0:
         raise SandboxError("prctl(PR_SET_DUMPABLE) failed")
-    os.environ.update(USER=USER, LOGNAME=USER)
+    # The grader's environment is the grader's (tokens, its own paths): a rank keeps only what
+    # configures the run (KEPT), and finds its caches in its own home, not where root's are.
+    kept = {k: v for k, v in os.environ.items() if k in KEPT or k.startswith(KEPT_PREFIXES)}
+    os.environ.clear()
+    os.environ.update(kept)
     cache = private.home / ".cache"
-    os.environ.update(HOME=str(private.home), TMPDIR=str(private.tmp), XDG_CACHE_HOME=str(cache),
-                      HF_HOME=str(cache / "huggingface"), HF_DATASETS_CACHE=str(cache / "huggingface" / "datasets"))
+    os.environ.update(USER=USER, LOGNAME=USER, HOME=str(private.home), TMPDIR=str(private.tmp),
+                      XDG_CACHE_HOME=str(cache), HF_HOME=str(cache / "huggingface"),
+                      HF_DATASETS_CACHE=str(cache / "huggingface" / "datasets"),
+                      TORCHINDUCTOR_CACHE_DIR=str(cache / "torchinductor"), TRITON_CACHE_DIR=str(cache / "triton"))
     tempfile.tempdir = None  # read TMPDIR again
+    if (codecache := sys.modules.get("torch._inductor.codecache")) is not None:
+        # imported by the forkserver, which put inductor's precompiled headers in root's cache
+        codecache._HEADER_DIR = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
     if (datasets_config := sys.modules.get("datasets.config")) is not None:
         # imported by the forkserver (torchtitan's dataset), which read root's HOME: the prepared data
         # goes to this rank's own cache, where no other submission's run reads it
