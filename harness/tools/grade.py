@@ -96,9 +96,16 @@ def grade(path: Path, timeout: float, pytest_args: list[str], artifacts: Path | 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # its rank processes too
             proc.communicate()
-            sandbox.sweep()  # as root: what the submission's ranks started in the background
             row["failures"] = f"timed out after {timeout:.0f} s (hung?): no points"
             return row
+        finally:
+            # pytest is done (or killed): whatever it left in its session goes too (a forkserver still
+            # importing when a short run ended, anything a submission's rank left in the background)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            sandbox.sweep()
         if not out.exists():
             tail = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
             row["failures"] = f"pytest exited {proc.returncode} before the points table: {tail[0][:200]}"

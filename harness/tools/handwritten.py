@@ -292,6 +292,8 @@ class _Check:
                          key=_position)
         refused = next(((node, p) for node in imports if (p := self.import_problem(node))), None)
         self.collect_own_names()
+        self.lookup_problems = {id(node): self.given_lookup_problem(node) for node in ast.walk(self.tree)
+                                if isinstance(node, ast.FunctionDef) and node.name == GIVEN_LOOKUP_NAME}
         # In the order of the source, an inner expression before the one around it: `torch.os.system`
         # is refused for `.os`, the module it reaches, not for `.system`.
         for node in sorted(ast.walk(self.tree), key=_position):
@@ -408,6 +410,43 @@ class _Check:
             return Outside(f"{self.where(target)} {what} `{ast.unparse(target)}`, which belongs to torch or Python: "
                            "a hand-written FSDP changes its own objects and the modules it wraps, never the "
                            "libraries the grader runs too; keep what you need on your own classes")
+        return None
+
+    # ------------------------------------------------------------------------------ the given lookup
+
+    def given_lookup(self, node: ast.AST) -> ast.FunctionDef | None:
+        """The register_fsdp_forward_method that `node` lies in, if any."""
+        while (node := self.parents.get(id(node))) is not None:
+            if isinstance(node, ast.FunctionDef) and node.name == GIVEN_LOOKUP_NAME:
+                return node
+        return None
+
+    def given_lookup_problem(self, func: ast.FunctionDef) -> str | None:
+        """Why this register_fsdp_forward_method may not look a method up by its run-time name
+        ([Note: the one lookup by a run-time name]), or None."""
+        if func not in self.tree.body:
+            return "define it at the top level of the file"
+        if _shape(func) != _shape(ast.parse(GIVEN_LOOKUP).body[0]):
+            return "its code differs from the skeleton's; copy it back unchanged"
+        bindings = _bindings(self.tree)
+        for name in GIVEN_LOOKUP_BUILTINS:
+            if name in bindings:
+                return f"line {bindings[name][0].lineno} binds `{name}`, which it calls; rename that"
+        canonical = {"functools": ("import functools", lambda n: isinstance(n, ast.alias) and n.name == "functools"
+                                   and n.asname is None and isinstance(self.parents.get(id(n)), ast.Import)),
+                     "nn": ("from torch import nn", lambda n: isinstance(n, ast.alias) and n.name == "nn"
+                            and n.asname is None and isinstance(imp := self.parents.get(id(n)), ast.ImportFrom)
+                            and imp.module == "torch" and not imp.level),
+                     "FSDPModule": ("class FSDPModule: (no base, keyword or decorator)", lambda n: isinstance(
+                         n, ast.ClassDef) and not (n.bases or n.keywords or n.decorator_list))}
+        for name, (wanted, is_canonical) in canonical.items():
+            sites = bindings.get(name, [])
+            top = [n for n in sites if is_canonical(n) and (n in self.tree.body or self.parents.get(id(n)) in self.tree.body)]
+            if len(sites) != 1 or len(top) != 1:
+                where = next((n for n in sites if n not in top), None)
+                return (f"line {where.lineno} binds `{name}` again" if where is not None and top else
+                        f"`{name}` must be bound once, by `{wanted}` at the top of the file"
+                        + (f" (line {where.lineno} binds it otherwise)" if where is not None else ""))
         return None
 
     # ------------------------------------------------------------------------------ every node
@@ -581,8 +620,13 @@ class _Check:
             if isinstance(key, ast.Constant) and isinstance(key.value, str):
                 return self.attribute_problem(key.value, node)
             if func in ("getattr", "hasattr"):
+                given = self.given_lookup(node)
+                if given is not None and self.lookup_problems[id(given)] is None:
+                    return None
                 return Outside(f"{where}: {func} with a computed attribute name: write the name out, e.g. "
-                               f"{func}(obj, \"name\") or obj.name")
+                               f"{func}(obj, \"name\") or obj.name" + (
+                                   "" if given is None else f" (register_fsdp_forward_method may make this one "
+                                   f"lookup only as given in the skeleton: {self.lookup_problems[id(given)]})"))
             # setattr/delattr with a computed name on the file's own objects is how a module's
             # parameter is swapped under its name; the object is checked above, the name cannot be.
             return None
@@ -605,6 +649,75 @@ class _Check:
             return Outside(f"{where} makes an enum from strings, whose functional API sets any attribute on the "
                            "class it makes: write the enum out as a class")
         return None
+
+
+# [Note: the one lookup by a run-time name]
+# FSDP2's register_fsdp_forward_method patches the method its caller names, so it must look the
+# method up by a name given at run time, which the check refuses anywhere else. A file may hold it
+# exactly as the reference gives it (solution/fsdp.py, given code in the skeleton; a test keeps the
+# two equal), compared as syntax, docstring aside. Equal text is not enough: every name the function
+# calls must mean what it means in the reference, or the guard bends into a general getattr (an
+# isinstance that says yes to `os`, a functools.wraps that hands the looked-up object out). So:
+# - the builtins it calls (GIVEN_LOOKUP_BUILTINS) are bound nowhere in the file;
+# - functools is bound only by `import functools`, nn only by `from torch import nn`, both at the top;
+# - FSDPModule is bound only by one top-level `class FSDPModule:` with no base, keyword or decorator
+#   (no metaclass or ABC `register` can make isinstance say yes to what is not one);
+# - the function itself sits at the top level.
+# What remains is getattr on an instance of both nn.Module and the file's FSDPModule: the file's own
+# objects and torch's module methods, all of which the file could reach by name anyway.
+GIVEN_LOOKUP_NAME = "register_fsdp_forward_method"
+GIVEN_LOOKUP = """
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    if not (isinstance(module, nn.Module) and isinstance(module, FSDPModule)):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def forward_method(*args: Any, **kwargs: Any) -> Any:
+        state = module._fsdp_state
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, forward_method)
+"""
+GIVEN_LOOKUP_BUILTINS = ("isinstance", "hasattr", "getattr", "setattr", "type", "ValueError")
+
+
+def _shape(func: ast.FunctionDef) -> str:
+    """A function's syntax without its docstring or positions."""
+    body = func.body[1:] if func.body and isinstance(func.body[0], ast.Expr) and isinstance(
+        func.body[0].value, ast.Constant) and isinstance(func.body[0].value.value, str) else func.body
+    return func.name + ast.dump(func.args) + ast.dump(ast.Module(body=body, type_ignores=[])) + \
+        "".join(map(ast.dump, func.decorator_list)) + (ast.dump(func.returns) if func.returns else "")
+
+
+def _bindings(tree: ast.Module) -> dict[str, list[ast.AST]]:
+    """Every node that binds a name, by the name (assignments, deletions, arguments, definitions,
+    imports, except/match/with targets, global and nonlocal declarations)."""
+    found: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names = [node.id]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.alias):
+            names = [node.asname or node.name.split(".")[0]]
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            names = list(node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names = [node.name]
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names = [node.name]
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names = [node.rest]
+        for name in names:
+            found.setdefault(name, []).append(node)
+    return found
 
 
 def _position(node: ast.AST) -> tuple[int, int, int, int]:

@@ -5,6 +5,7 @@ mutant says in one line what it breaks. The mutant test files pick them by name 
 from pathlib import Path
 
 from solution import make_skeleton
+from harness.tools import handwritten
 
 # name: [(snippet in solution/fsdp.py, its replacement), ...]; every snippet must occur there once
 # The FSDPState hooks the reference keeps out of compiled graphs (torch.compiler.disable).
@@ -275,6 +276,20 @@ if os.fork() == 0:
 }
 CHEATS.update(BOUNDARY_CHEATS)
 
+# A file holding register_fsdp_forward_method exactly as given ([Note: the one lookup by a run-time
+# name] in harness/tools/handwritten.py), with what its guard needs; cheats below bend what is around it.
+_GIVEN_LOOKUP = """import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class FSDPModule:
+    pass
+
+""" + handwritten.GIVEN_LOOKUP
+
 # The source check's allowlist (harness/tools/handwritten.py) against doors a list of refused names
 # left open: each file is refused before any rank runs, with the words of SOURCE_REFUSALS[name].
 SOURCE_CHEATS: dict[str, str] = {
@@ -399,6 +414,18 @@ SOURCE_CHEATS: dict[str, str] = {
     "object-collective": 'import torch.distributed as dist\ndist.broadcast_object_list([None])\n',
     # A forward hook on every module in the process.
     "global-module-hook": 'import torch\nh = torch.nn.modules.module.register_module_forward_hook(print)\n',
+    # The given register_fsdp_forward_method bent into a general lookup (os through torch by a run-time name).
+    "bent-forward-method": _GIVEN_LOOKUP.replace("getattr(module, method_name)", "getattr(torch, method_name)")
+                           + "\nregister_fsdp_forward_method(torch.nn.Linear(1, 1), 'o' + 's')\n",
+    # The given one unchanged, its guard's class rebound: isinstance says yes to anything.
+    "given-lookup-guard": _GIVEN_LOOKUP + "\nFSDPModule = object\n",
+    # The given one unchanged, functools rebound: wraps hands the looked-up object out.
+    "given-lookup-wraps": _GIVEN_LOOKUP.replace("import functools\n", "import functools\n\n\n"
+                                                "class functools:\n    def wraps(found):\n"
+                                                "        return lambda f: found\n", 1),
+    # The given one unchanged, its guard's class an ABC every type can be registered with.
+    "given-lookup-abc": _GIVEN_LOOKUP.replace("import functools\n", "import abc\nimport functools\n", 1).replace(
+        "class FSDPModule:", "class FSDPModule(abc.ABC):") + "\nFSDPModule.register(type(torch))\n",
 }
 SOURCE_REFUSALS: dict[str, str] = {
     'own-name-on-torch-module': '`._load_from_bytes`',
@@ -459,6 +486,10 @@ SOURCE_REFUSALS: dict[str, str] = {
     "environ-write": 'uses os.environ.update',
     "object-collective": '`broadcast_object_list`',
     "global-module-hook": '`register_module_forward_hook`',
+    "bent-forward-method": "its code differs from the skeleton's",
+    "given-lookup-guard": "binds `FSDPModule` again",
+    "given-lookup-wraps": "binds `functools` again",
+    "given-lookup-abc": "`FSDPModule` must be bound once, by `class FSDPModule: (no base, keyword or decorator)`",
 }
 CHEATS.update(SOURCE_CHEATS)
 

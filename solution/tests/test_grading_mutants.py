@@ -50,6 +50,17 @@ def test_source_check_accepts_reference_and_skeleton():
     assert handwritten.static_problem(ROOT / "solution" / "tests" / "variant_fsdp.py") is None
 
 
+def test_given_lookup_is_the_references():
+    """The one run-time-name lookup the source check lets through is the reference's (and so the
+    skeleton's) register_fsdp_forward_method, exactly: the two cannot drift apart."""
+    import ast
+
+    for path in (SOLUTION, ROOT / "fsdp.py"):
+        tree = ast.parse(path.read_text())
+        given = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == handwritten.GIVEN_LOOKUP_NAME)
+        assert handwritten._shape(given) == handwritten._shape(ast.parse(handwritten.GIVEN_LOOKUP).body[0]), path
+
+
 def test_runtime_check_sees_fsdp2(pool2, mutant):
     """Without the source check, the run itself gives FSDP2 away (exported objects, classes, ops)."""
     runs = checks.run(pool2, jobs.forward_job, policy.config(mutant("reexport")))
