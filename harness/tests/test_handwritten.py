@@ -194,11 +194,14 @@ HONEST = {
 # Refused constructs that are not FSDP2: (source, the line it names, words of what to do instead).
 OUTSIDE = {
     "sys": ("x = 1\nimport sys\n", 2, "remove the import"),
-    "sys_via_module": ("import logging\nm = logging.sys.modules\n", 2, "plain `import torch"),
+    "sys_via_module": ("import warnings\nm = warnings.sys.modules\n", 2, "plain `import torch"),
     "getattr_aliased": ("import functools, torch\ng = functools.partial(getattr, torch.distributed)\n", 2,
                         "not called with a written-out name"),
-    "os_system": ("import os\nos.system('ls')\n", 2, "os.system: of os an FSDP may read only"),
-    "from_os_path": ("from os import path\n", 1, "of os an FSDP may read only"),
+    "os_system": ("import os\nos.system('ls')\n", 2, "os.system: of os an FSDP may use only"),
+    "from_os_path": ("from os import path\n", 1, "of os an FSDP may use only"),
+    "logging_formatter": ("import logging\nf = logging.Formatter('{args.__class__}', style='{')\n", 2,
+                          "logging.Formatter: of logging an FSDP may use only"),
+    "from_logging_handler": ("from logging import StreamHandler\n", 1, "of logging an FSDP may use only"),
     "open": ("data = open('x').read()\n", 1, "reads no files"),
     "torch_open_file": ("import torch.serialization\nf = torch.serialization._open_file('x', 'rb')\n", 1,
                         "reads no files"),

@@ -20,8 +20,11 @@ What decides the key, and why
   revision), torchtitan, the platform (`sys.platform`, machine, `FSDP_PLATFORM`), the CPU's model,
   its core count and the SIMD kernels torch picked (`get_cpu_capability`: other kernels, other bits);
   and the bytes of everything that produces the result: train.py, every .py under harness/ (the
-  tools and tests too: simpler and safer than deciding which cannot matter), uv.lock,
-  pyproject.toml, the data and the tokenizer. The file under test (fsdp.py, --impl) is not in it.
+  tools and tests too: simpler and safer than deciding which cannot matter), uv.lock (every
+  package's exact version), the data and the tokenizer. The file under test (fsdp.py, --impl) is not
+  in it, nor pyproject.toml (pytest's options, which the released student repository and the
+  Gradescope bundle rewrite, change no number; its dependencies are pinned in uv.lock): the three
+  repositories share entries.
 Only CPU runs are cached: a GPU's kernels and model would need keys of their own, and some CUDA
 kernels are not deterministic; a CUDA pool always runs FSDP2.
 
@@ -70,7 +73,7 @@ T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/fsdp2_cache.py
 FORMAT = b"FSDP2-CACHE 1\n"
 MODES = ("on", "off", "refresh")
-SOURCES = ("train.py", "uv.lock", "pyproject.toml")
+SOURCES = ("train.py", "uv.lock")
 OUTPUT = "<output folder>"  # what a set output folder is in the key
 
 

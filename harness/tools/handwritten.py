@@ -72,6 +72,13 @@ TORCH_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "torch.nn.init", "t
                  "torch.profiler", "torch.compiler", "torch.cuda", "torch.accelerator", "torch.utils.hooks"}
 ALLOWED_IMPORTS = STDLIB_IMPORTS | TORCH_IMPORTS
 OS_ATTRS = {"environ", "getenv", "getpid", "cpu_count"}  # reading settings; not files, not processes
+# logging's loggers and levels; not its formatters, handlers or config, whose format strings walk the
+# attributes of whatever they format (`{record.args.__class__...}` with style="{")
+LOGGING_ATTRS = {"getLogger", "Logger", "NOTSET", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info",
+                 "warning", "error", "exception", "critical", "log"}
+MODULE_ATTRS = {"os": (OS_ATTRS, "settings, not files or processes"),
+                "logging": (LOGGING_ATTRS, "loggers and levels, not formatters, handlers or config")}
+"""modules of which a file may use only some names, and what those are"""
 ENVIRON_ATTRS = {"get", "items", "keys", "values", "copy"}  # os.environ is read, never changed
 # Attribute names of the allowed modules that are themselves allowed modules (torch.nn, nn.functional...).
 SUBMODULE_ATTRS = {m.rsplit(".", 1)[-1] for m in TORCH_IMPORTS if "." in m} | {"abc"}
@@ -330,9 +337,9 @@ class _Check:
         for a in node.names:
             if a.name == "*":
                 return Outside(f"{where} imports * from {node.module}: name what you import")
-            if node.module == "os" and a.name not in OS_ATTRS:
-                return Outside(f"{where} imports os.{a.name}: of os an FSDP may read only "
-                               f"{', '.join(sorted(OS_ATTRS))}")
+            if node.module in MODULE_ATTRS and a.name not in (only := MODULE_ATTRS[node.module])[0]:
+                return Outside(f"{where} imports {node.module}.{a.name}: of {node.module} an FSDP may use only "
+                               f"{', '.join(sorted(only[0]))} ({only[1]})")
             if bad := next((n for n in (a.name, a.asname) if n in FORBIDDEN_NAMES), None):
                 return _refuse(f"{where} imports `{bad}`", bad)
             value = getattr(module, a.name, None)
@@ -343,7 +350,7 @@ class _Check:
                     return Outside(f"{where} imports the module {value.__name__}: an FSDP needs only "
                                    f"{', '.join(sorted(TORCH_IMPORTS))}; remove the import")
                 self.module_aliases.add(a.asname or a.name)
-            elif node.module != "os" and (problem := self.attribute_problem(a.name, node, imported=True)):
+            elif node.module not in MODULE_ATTRS and (problem := self.attribute_problem(a.name, node, imported=True)):
                 return problem
             self.imported[a.asname or a.name] = value
         return None
@@ -559,10 +566,10 @@ class _Check:
             if base is os.environ and node.attr not in ENVIRON_ATTRS:
                 return Outside(f"{where} uses os.environ.{node.attr}: an FSDP reads settings from os.environ "
                                f"({', '.join(sorted(ENVIRON_ATTRS))}, os.environ[...]) and never changes them")
-            if getattr(base, "__name__", None) == "os" and isinstance(base, types.ModuleType):
-                if node.attr not in OS_ATTRS:
-                    return Outside(f"{where} uses os.{node.attr}: of os an FSDP may read only "
-                                   f"{', '.join(sorted(OS_ATTRS))} (settings, not files or processes)")
+            if isinstance(base, types.ModuleType) and (only := MODULE_ATTRS.get(base.__name__)) is not None:
+                if node.attr not in only[0]:
+                    return Outside(f"{where} uses {base.__name__}.{node.attr}: of {base.__name__} an FSDP may use "
+                                   f"only {', '.join(sorted(only[0]))} ({only[1]})")
             elif problem := self.attribute_problem(node.attr, node, base=base):
                 return problem
             return None if isinstance(node.ctx, ast.Load) else self.write_problem(node, "writes")

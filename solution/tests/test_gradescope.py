@@ -25,7 +25,7 @@ from solution import make_skeleton, release
 from solution.release import ReleaseError
 from solution.tests.boundary import digest_tree, sandbox_processes
 from solution.tests.mutation import BOUNDARY_CHEATS, CHEATS
-from solution.tests.test_release import show, uv
+from solution.tests.test_release import share_store, show, uv
 
 HANG = '''"""Hangs in fully_shard: the autograder must stop it."""
 from dataclasses import dataclass
@@ -84,6 +84,7 @@ def autograder(tmp_path_factory) -> Path:
     root = tmp / "autograder"
     unpack(bundle, root / "source")
     assert os.access(root / "source" / "run_autograder", os.X_OK) and os.access(root / "source" / "setup.sh", os.X_OK)
+    share_store(root / "source" / "repository")  # setup.sh's graded run then trains FSDP2 only where it must
     env_path = f"{Path(uv()[0]).parent}{os.pathsep}{os.environ['PATH']}"
     setup = subprocess.run(["bash", str(root / "source" / "setup.sh")], cwd=root, capture_output=True, text=True,
                            timeout=900, env={**{k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},

@@ -50,6 +50,17 @@ def show(proc: subprocess.CompletedProcess) -> str:
     return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout[-5000:]}\n--- stderr\n{proc.stderr[-3000:]}"
 
 
+def share_store(repo: Path) -> None:
+    """Give a released repository this checkout's FSDP2 store (its entries and secret), as a grader
+    who built both on one machine would: the key holds no path and no pyproject.toml, so the
+    released repository's graded runs find FSDP2's side already computed by this session's test.py
+    instead of training FSDP2 in every case again. A missing store is simply computed there."""
+    from harness.tools import fsdp2_cache
+
+    if fsdp2_cache.folder().is_dir():
+        shutil.copytree(fsdp2_cache.folder(), repo / ".cache" / "fsdp2", symlinks=False)
+
+
 @pytest.fixture(scope="module")
 def student_repo(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("release") / "student"
@@ -78,6 +89,7 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     with the reference as fsdp.py (the default file under test there) a graded line earns its
     points. Only task 1's forward: the same test.py, conftest and harness give the reference 13 of
     13 in this repository's own run of test.py, so all of it again here would prove nothing new."""
+    share_store(student_repo)
     sync = run([*uv(), "sync", "--frozen", "--quiet"], student_repo, timeout=900)
     assert sync.returncode == 0, show(sync)
     verbose = [str(student_repo / ".venv" / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider"]
