@@ -20,6 +20,11 @@ STUDENT_TOP_LEVEL = {".ci", ".github", ".gitignore", ".python-version", ".vscode
                      "harness", "pyproject.toml", "snapshots", "test.py", "traces", "train.py", "uv.lock"}
 
 
+# harness tests whose subject is the student's checkout itself: its files, commands, data, the
+# handout's command and the points table (with the skeleton as the file under test there)
+STUDENT_CHECKOUT_TESTS = ("test_layout", "test_cli", "test_assets", "test_handout", "test_points")
+
+
 def uv() -> list[str]:
     """uv as `uv run` started us (it sets UV), else from PATH, else as a module."""
     found = os.environ.get("UV") or shutil.which("uv")
@@ -85,7 +90,8 @@ def test_student_repository_has_only_the_students_files(student_repo):
 
 
 def test_student_repository_installs_tests_and_grades(student_repo):
-    """uv sync --frozen works there; its harness tests pass; the graded tests stop at the first TODO;
+    """uv sync --frozen works there; its harness tests collect and those about the checkout pass; the
+    graded tests stop at the first TODO;
     with the reference as fsdp.py (the default file under test there) a graded line earns its
     points. Only task 1's forward: the same test.py, conftest and harness give the reference 13 of
     13 in this repository's own run of test.py, so all of it again here would prove nothing new."""
@@ -95,7 +101,12 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     verbose = [str(student_repo / ".venv" / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider"]
     pytest_cmd = [*verbose, "-q"]
 
-    harness = run([*pytest_cmd, "harness"], student_repo, timeout=900)
+    # Every harness test collects there (none needs solution/); those about the student's own checkout
+    # run (the rest run in this repository's session: the same files, the same code).
+    collected = run([*pytest_cmd, "--collect-only", "harness"], student_repo, timeout=300)
+    assert collected.returncode == 0 and " tests collected" in collected.stdout, show(collected)
+    harness = run([*pytest_cmd, *(f"harness/tests/{name}.py" for name in STUDENT_CHECKOUT_TESTS)], student_repo,
+                  timeout=900)
     assert harness.returncode == 0, show(harness)
 
     skeleton = run([*pytest_cmd, "-x", "test.py"], student_repo, timeout=600)
