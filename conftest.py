@@ -213,3 +213,9 @@ def pool2():
 @pytest.fixture(scope="module")
 def pool3():
     yield from _pool(3)
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    """Bonus 4's (HSDP on a 2 x 2 mesh): one pool of 4 ranks for all its cases."""
+    yield from _pool(4)

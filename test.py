@@ -2,7 +2,7 @@
 
     uv run pytest test.py                            # everything, ending with the points table
     uv run pytest test.py::test_fsdp                 # the handout's test: task 1's full step
-    uv run pytest test.py -m task1                   # one task: task1 task2 task3 bonus1 bonus2 bonus3
+    uv run pytest test.py -m task1                   # one task: task1 task2 task3 bonus1 bonus2 bonus3 bonus4
     uv run pytest test.py -k "world3 and bfloat16"   # one world size or precision case
     uv run pytest test.py --impl path/to/fsdp.py     # any other file (default: fsdp.py)
 
@@ -105,6 +105,15 @@ def _bonus(bonus: str):
 
 
 test_bonus1, test_bonus2, test_bonus3 = (_bonus(b) for b in ("bonus1", "bonus2", "bonus3"))
+
+
+@pytest.mark.bonus4
+@pytest.mark.parametrize("param_dtype, reduce_dtype", PRECISIONS)
+def test_bonus4(impl, pool4, param_dtype, reduce_dtype, tmp_path, evidence):
+    """HSDP on a 2 x 2 mesh (4 ranks: 2 replicas of 2 shards), each precision case: every loss, grad norm
+    and shard bit-identical to FSDP2's HSDP, its collectives per phase and process group (count, dtype,
+    bytes), overlap kept, memory."""
+    evidence(checks.check_hsdp(pool4, impl, param_dtype, reduce_dtype, tmp_path))
 
 
 @pytest.mark.bonus2

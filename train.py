@@ -66,6 +66,9 @@ class Config:
     """mixed precision: dtype of the gathered parameters used for compute (none: keep float32)."""
     reduce_dtype: Literal["float32", "bfloat16", "none"] = "none"
     """mixed precision: dtype gradients are reduce-scattered in (none: the compute dtype)."""
+    replicate: int = 1
+    """HSDP: split the ranks into this many replicas, a 2-D mesh (replicate, shard) of replicate x
+    world/replicate: parameters sharded within a replica, gradients averaged across replicas (1: plain FSDP)."""
     prefetch: bool = True
     """--fsdp effdl: gather the next group while the current one computes (False: each group gathers
     when it runs; same numbers, no overlap: FSDPModule.set_prefetch)."""
@@ -138,6 +141,17 @@ def apply_fsdp(model: nn.Module, fsdp: ModuleType, mesh: DeviceMesh, cfg: Config
     return fsdp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
+def device_mesh(device: torch.device, world_size: int, replicate: int) -> DeviceMesh:
+    """The ranks as one shard group (a 1-D mesh), or with --replicate R as R replicas of world/R ranks each:
+    rank r is in replica r // (world/R) and shards with the ranks of its replica (FSDP2's HSDP mesh)."""
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,))
+    if world_size % replicate:
+        raise ConfigError(f"--replicate {replicate} must divide the world size {world_size} (each replica "
+                          f"shards over world/replicate ranks); use a divisor of {world_size}")
+    return init_device_mesh(device.type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+
+
 def build_data(cfg: Config, rank: int, world_size: int):
     """torchtitan's text dataset over c4_test/, split by data-parallel rank, in a fixed order."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -207,7 +221,7 @@ def setup(cfg: Config) -> tuple[nn.Module, torch.device]:
         fit.refuse_if_too_big(cfg, device, assets.vocab_size(ROOT))
     model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, torch.device("meta") if cfg.meta_init else device,
                                     assets.vocab_size(ROOT), dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = device_mesh(device, world_size, cfg.replicate)
     if cfg.fsdp == "none":
         model_setup.apply_activation_checkpointing(model, cfg.activation_checkpoint)
         if cfg.compile:

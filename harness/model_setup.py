@@ -7,7 +7,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from harness.distributed import agree
@@ -114,11 +114,13 @@ def chunk_rows(rows: int, world: int, rank: int) -> int:
 
 
 def row_layout_error(model: nn.Module, when: str) -> str | None:
-    """The first Shard(0) parameter whose local rows on this rank are not torch.chunk's, or None."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    """The first Shard(0) parameter whose local rows on this rank are not torch.chunk's, or None. On a 2-D
+    (replicate, shard) mesh (HSDP): the rows of this rank's place along the shard dim."""
     for name, p in model.named_parameters():
-        if not (isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)):
+        if not (isinstance(p, DTensor) and tuple(p.placements) in ((Shard(0),), (Replicate(), Shard(0)))):
             continue
+        mesh = p.device_mesh
+        world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
         full, local = tuple(p.shape), tuple(p.to_local().shape)
         expected = (chunk_rows(full[0], world, rank), *full[1:])
         if local != expected:
@@ -147,9 +149,10 @@ class FullTensorInit(TorchFunctionMode):
         local = target.to_local()
         full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
         func(full, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensor"})
-        if tuple(target.placements) == (Shard(0),):  # both FSDPs: torch.chunk's rows, copied straight in
-            chunks = full.chunk(target.device_mesh.size())
-            rank = target.device_mesh.get_local_rank()
+        if tuple(target.placements) in ((Shard(0),), (Replicate(), Shard(0))):  # both FSDPs: torch.chunk's rows,
+            mesh = target.device_mesh  # copied straight in (HSDP: the shard dim's, the same on every replica)
+            chunks = full.chunk(mesh.size(mesh.ndim - 1))
+            rank = mesh.get_local_rank(mesh.ndim - 1)
             if rank < len(chunks) and local.shape == chunks[rank].shape:
                 local.copy_(chunks[rank])  # another row split is named on every rank by check_row_layout
         else:

@@ -12,7 +12,7 @@ from harness.errors import ConfigError
 
 def validate(cfg) -> None:
     """Refuse a train.py Config that cannot run or would silently ignore a flag, naming the fix."""
-    for name in ("num_steps", "seq_len", "batch_size", "num_gradient_accumulation_steps"):
+    for name in ("num_steps", "seq_len", "batch_size", "num_gradient_accumulation_steps", "replicate"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.num_gradient_accumulation_steps < 2:
@@ -32,6 +32,7 @@ def validate(cfg) -> None:
             "--no-reshard-after-forward": not cfg.reshard_after_forward,
             "--no-reshard-after-backward-before-last-backward": not cfg.reshard_after_backward_before_last_backward,
             "--no-reduce-grads-before-last-backward": not cfg.reduce_grads_before_last_backward,
+            "--replicate": cfg.replicate != 1,
         }
         if bad := [flag for flag, used in fsdp_only.items() if used]:
             raise ConfigError(f"{', '.join(bad)} configure FSDP; they do nothing with --fsdp none (use --fsdp fsdp2 or effdl)")

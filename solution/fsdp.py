@@ -30,7 +30,13 @@ gloo runs on its own threads. That is where the overlap comes from.
 Around the step it keeps FSDP2's public contract: parameters frozen after wrapping, `.to(dtype)` and
 meta-device init after wrapping, post-accumulate-grad hooks on the shards, sharded state dicts,
 explicit prefetch, `set_is_last_backward`, a list of modules as one group, an int
-`reshard_after_forward`, and FSDP2's exceptions for what it cannot shard. What it refuses (HSDP, ignored_params, ...) raises an error naming the argument and what to use instead.
+`reshard_after_forward`, and FSDP2's exceptions for what it cannot shard. What it refuses (ignored_params,
+CPU offload, ...) raises an error naming the argument and what to use instead.
+
+HSDP (bonus 4): on a 2-D mesh (replicate, shard) each parameter is sharded along dim 1 and the same
+shards are replicated along dim 0 (`(Replicate(), Shard(0))` DTensors). All-gathers and reduce-scatters
+run within this rank's shard group; each reduce-scatter's output is then averaged across the replicate
+group with an all-reduce, which stays in flight while the next group's backward computes.
 
 Regions marked `# region taskN` / `# region bonusN` are the exercise: the student file
 fsdp.py is generated from this one with each region replaced by a TODO.
@@ -51,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.profiler import record_function
 
 __all__ = ["MixedPrecisionPolicy", "FSDPModule", "fully_shard", "register_fsdp_forward_method"]
@@ -66,6 +72,11 @@ REDUCE_SCATTER_RANGE = "post_backward_reduce"
 ALL_GATHER_WAIT_RANGE = "all_gather_copy_out"
 REDUCE_SCATTER_WAIT_RANGE = "reduce_scatter_wait"  # the reduce-scatter was still running: the thread blocks
 REDUCE_SCATTER_DONE_RANGE = "reduce_scatter_done"  # it had already finished: no wait
+# HSDP (bonus 4): the replica all-reduce of a group's reduced shard is issued inside ALL_REDUCE_RANGE and
+# waited inside ALL_REDUCE_WAIT_RANGE / ALL_REDUCE_DONE_RANGE (harness/trace.py, harness/tools/schedule.py).
+ALL_REDUCE_RANGE = "all_reduce"
+ALL_REDUCE_WAIT_RANGE = "all_reduce_wait"
+ALL_REDUCE_DONE_RANGE = "all_reduce_done"
 
 
 class TodoError(NotImplementedError):
@@ -146,7 +157,17 @@ class FSDPParam:
             raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {name} has "
                                       f"shape {tuple(param.shape)} and stride {param.stride()}; make it "
                                       "contiguous (e.g. no channels_last) before fully_shard")
-        world, rank = mesh.size(), mesh.get_local_rank()
+        # region bonus4: the shard dim of a 2-D mesh
+        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
+        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
+        shard_dim = mesh.ndim - 1
+        self.world, self.rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+        self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        # else: if mesh.ndim != 1:
+        # else:     raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
+        # else: self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
+        # endregion
+        world, rank = self.world, self.rank
         self.row_shape = tuple(param.shape[1:])
         self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
         self.padded_numel = self.padded_rows * math.prod(self.row_shape)
@@ -216,8 +237,9 @@ class FSDPParam:
         self.init_dtypes()
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap this rank's rows (of the parameter or of its gradient) as a Shard(0) DTensor."""
-        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+        """Wrap this rank's rows (of the parameter or of its gradient) as a Shard(0) DTensor (on a 2-D
+        mesh: replicated over dim 0, Shard(0) over dim 1)."""
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                   shape=self.shape, stride=self.stride)
 
     # Which tensor the module sees. setattr registers it as the module's parameter.
@@ -378,7 +400,26 @@ class PendingReduce:
             label = REDUCE_SCATTER_DONE_RANGE if self.work.is_completed() else REDUCE_SCATTER_WAIT_RANGE
             with record_function(self.group.label(label)):
                 self.work.wait()
+        if self.group.replicate_group is not None:  # HSDP: averaged across the replicas next
+            self.group.all_reduce(self)
+            return
         self.group.finish_reduce(self)
+
+
+@dataclass
+class PendingAllReduce:
+    """HSDP: the replica all-reduce in flight over a finished reduce-scatter's output (in place); the
+    gradients are set once it is done."""
+
+    work: dist.Work
+    reduced: PendingReduce
+
+    def finish(self) -> None:
+        group = self.reduced.group
+        label = ALL_REDUCE_DONE_RANGE if self.work.is_completed() else ALL_REDUCE_WAIT_RANGE
+        with record_function(group.label(label)):
+            self.work.wait()
+        group.finish_reduce(self.reduced)
 
 
 class FSDPGroup:
@@ -393,8 +434,15 @@ class FSDPGroup:
 
     def __init__(self, params: list[FSDPParam], mesh: DeviceMesh):
         self.params = params
-        self.process_group = mesh.get_group()
-        self.world, self.rank = mesh.size(), mesh.get_local_rank()
+        # region bonus4: which group each collective uses
+        # All-gathers and reduce-scatters run within the shard group (this rank's row of the mesh), the
+        # replica all-reduce across the replicate group (its column); no replicate group on a 1-D mesh.
+        self.process_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        # else: self.process_group, self.replicate_group = mesh.get_group(), None
+        # endregion
+        self.world, self.rank = params[0].world, params[0].rank
+        self.ctx: RootContext | None = None  # set when the root starts: where a replica all-reduce waits
         self.device = params[0].padded_shard.device
         self.init_dtypes()
         self.offsets = [0]
@@ -409,6 +457,10 @@ class FSDPGroup:
         self.reshard_after_backward = True
         self.reduce_grads = True
         self.prefetching = True  # False: prefetch() does nothing (set_prefetch)
+        # HSDP: False reduce-scatters but keeps the result here instead of all-reducing it across replicas
+        # (set_requires_all_reduce); the next all-reduce adds it first, as FSDP2.
+        self.all_reduce_grads = True
+        self.partial_reduce: torch.Tensor | None = None
         # reshard_after_forward=<int k>: rows of k consecutive ranks (FSDP2's post-forward mesh)
         self.post_forward_mesh: DeviceMesh | None = None
         self.post_forward_shards: list[torch.Tensor] | None = None
@@ -578,6 +630,38 @@ class FSDPGroup:
             return PendingReduce(self, work, output, params)
             # endregion
 
+    def all_reduce(self, pending: PendingReduce) -> None:
+        """HSDP, once this group's reduce-scatter is done: start averaging this rank's reduced shard with
+        the other replicas' (the ranks at the same place of the shard dim), in place. It runs while the
+        next group's backward computes; the gradients are set when it is finished (PendingAllReduce)."""
+        if not self.all_reduce_grads:  # set_requires_all_reduce(False): keep the partial sum, no gradient yet
+            if self.partial_reduce is None:
+                self.partial_reduce = pending.output
+            else:
+                self.partial_reduce += pending.output
+            return
+        if self.partial_reduce is not None:
+            pending.output += self.partial_reduce
+            self.partial_reduce = None
+        ctx = self.ctx
+        # region bonus4: at most one replica all-reduce in flight
+        # Finish the previous group's first (it sets that group's gradients), as task 3 does with the
+        # reduce-scatters: its buffers are not kept longer than FSDP2 keeps them.
+        if ctx.pending_all_reduce is not None:
+            ctx.pending_all_reduce, previous = None, ctx.pending_all_reduce
+            previous.finish()
+        # else: raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
+        # endregion
+        with record_function(self.label(ALL_REDUCE_RANGE)):
+            # region bonus4: start the replica all-reduce
+            # Asynchronous, across the replicate group, averaged as FSDP2 does: AVG both times (within the
+            # shard group, then across replicas), SUM when there is one data-parallel rank in all (H13).
+            op = dist.ReduceOp.AVG if self.world * self.replicate_group.size() > 1 else dist.ReduceOp.SUM
+            work = dist.all_reduce(pending.output, op=op, group=self.replicate_group, async_op=True)
+            # else: raise TodoError("TODO(bonus4): start the replica all-reduce")
+            # endregion
+        ctx.pending_all_reduce = PendingAllReduce(work, pending)
+
     def finish_reduce(self, pending: PendingReduce) -> None:
         """The reduce-scatter is done: give each parameter its slice as sharded gradient."""
         # region task1: finish the reduce-scatter
@@ -619,6 +703,7 @@ class RootContext:
         self.backward_positions: dict[FSDPGroup, list[int]] = {}  # a group's places in that order
         self.pending_reduce: PendingReduce | None = None
         # endregion
+        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
 
 
 class FSDPState:
@@ -670,6 +755,8 @@ class FSDPState:
                 raise RuntimeError("fully_shard: run forward through the root module first; a module "
                                    "wrapped inside it already ran forward on its own")
             state.ctx = ctx
+            if state.group is not None:
+                state.group.ctx = ctx
         self.is_root = True
         fqns: dict[FSDPGroup, list[str]] = {}
         for fqn, m in self.module.named_modules():
@@ -856,6 +943,13 @@ class FSDPState:
                 ctx.post_forward_order.clear()
                 ctx.backward_positions.clear()
             # endregion
+            if ctx.pending_all_reduce is not None:  # HSDP
+                # region bonus4: wait for the last replica all-reduce
+                # The optimizer reads the gradients it sets.
+                ctx.pending_all_reduce, pending_all_reduce = None, ctx.pending_all_reduce
+                pending_all_reduce.finish()
+                # else: raise TodoError("TODO(bonus4): finish the last replica all-reduce")
+                # endregion
             for state in ctx.states:
                 if state.group is not None:
                     state.group.discard_pending_gather()
@@ -979,8 +1073,15 @@ class FSDPModule:
             self._fsdp_state.group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward keeps full gradients and skips the reduce-scatter (accumulation)."""
+        """False: backward keeps full gradients and skips the reduce-scatter (accumulation); under HSDP
+        the replica all-reduce too."""
         self._set("reduce_grads", requires_gradient_sync, recurse)
+        self._set("all_reduce_grads", requires_gradient_sync, recurse)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters but skips the replica all-reduce (accumulation across replicas);
+        the next backward that all-reduces adds the kept sum first. No effect on a 1-D mesh."""
+        self._set("all_reduce_grads", requires_all_reduce, recurse)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         self._set("reshard_after_forward", reshard_after_forward, recurse)
@@ -1049,13 +1150,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), **unsupported: Any) -> nn.Module:
     """Shard `module`'s parameters (those not already managed by a fully_shard'ed submodule)
-    over a 1-D mesh, and gather/reduce them around its forward and backward.
+    over a 1-D mesh (or dim 1 of a 2-D mesh: HSDP), and gather/reduce them around its forward and backward.
 
     module: one module, or a list of modules that form one group (one all-gather, one reduce-scatter).
-    mesh: a 1-D DeviceMesh; None: all ranks on FSDP2's default device (the accelerator, else CPU).
+    mesh: a 1-D DeviceMesh, or a 2-D one with mesh_dim_names (HSDP: dim 0 replicates, dim 1 shards);
+    None: all ranks on FSDP2's default device (the accelerator, else CPU).
     reshard_after_forward: None (default) frees parameters after forward except for the root,
-    True/False force it; an int is the group size to reshard to, as in FSDP2 (on a 1-D mesh: 1 means
-    False, the mesh size True). Returns `module`, whose class (each's) now also derives from FSDPModule.
+    True/False force it; an int is the group size to reshard to, as in FSDP2 (1 means False, the
+    shard dim's size True). Returns `module`, whose class (each's) now also derives from FSDPModule.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_modules(modules, unsupported)
@@ -1150,7 +1252,7 @@ def _managed_parameters(modules: list[nn.Module], device: torch.device) -> list[
             if isinstance(p, DTensor):
                 raise NotImplementedError(
                     f"fully_shard: parameter {prefix}{name} is already a DTensor (tensor parallel?): this FSDP "
-                    "shards plain tensors over a 1-D mesh only. Apply fully_shard to a model without "
+                    "shards plain tensors only. Apply fully_shard to a model without "
                     "DTensor parameters, or use torch.distributed.fsdp.fully_shard for FSDP + TP")
             if id(p) in first:
                 found[first[id(p)]][3].append((m, name))
@@ -1202,18 +1304,13 @@ def _check_arguments(mesh: DeviceMesh, reshard_after_forward: Any, mp_policy: An
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified (and note: this "
-                             "FSDP takes a 1-D mesh only; use a 1-D mesh, or torch.distributed.fsdp.fully_shard)")
-    if mesh.ndim == 2:
-        raise NotImplementedError(
-            "fully_shard: a 2-D mesh (HSDP: shard on one dim, replicate on the other) is not supported here. "
-            f"Pass a 1-D mesh instead, e.g. mesh[{mesh.mesh_dim_names[1]!r}] or init_device_mesh(type, (world,)), "
-            "or use torch.distributed.fsdp.fully_shard")
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified: use e.g. "
+                             "init_device_mesh(type, (replicas, shards), mesh_dim_names=('replicate', 'shard'))")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError("reshard_after_forward should be a bool or an int representing the group size to "
                          f"reshard to, not {reshard_after_forward}")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        mesh_size = mesh.size()
+        mesh_size = mesh.size(mesh.ndim - 1)  # the shard dim's (HSDP: dim 1)
         if reshard_after_forward < 1 or reshard_after_forward > mesh_size or mesh_size % reshard_after_forward:
             raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {mesh_size}, "
                              f"not {reshard_after_forward}")

@@ -34,7 +34,7 @@ from harness.errors import BAD_INPUT, FAILED, stop
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION, SKELETON = ROOT / "solution" / "fsdp.py", ROOT / "fsdp.py"
 REQUIRED = {"task1"}
-TAGS = ("task1", "task2", "task3", "bonus1", "bonus2", "bonus3")
+TAGS = ("task1", "task2", "task3", "bonus1", "bonus2", "bonus3", "bonus4")
 
 OPEN = re.compile(r"^(?P<indent>\s*)# region (?P<tag>\w+): (?P<hint>.*)$")
 ELSE = re.compile(r"^\s*# else: (?P<code>.*)$")

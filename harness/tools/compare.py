@@ -66,28 +66,37 @@ def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: s
                         "optimizer saw different gradients, even if losses and grad norms agree)")
 
 
-def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str) -> str:
-    """Per phase, the all-gathers and reduce-scatters (dtype and bytes of each) equal FSDP2's. At
-    world size 1 (one Run) nothing is compared: FSDP2 exchanges nothing with itself, and a
-    hand-written FSDP that still issues its collectives there does no harm."""
+def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str, by_group: bool = False) -> str:
+    """Per phase, the all-gathers and reduce-scatters (dtype and bytes of each) equal FSDP2's; by_group
+    (HSDP): also each one's process group, and the all-reduces of backward. At world size 1 (one Run)
+    nothing is compared: FSDP2 exchanges nothing with itself, and a hand-written FSDP that still issues
+    its collectives there does no harm."""
     __tracebackhide__ = True
     if len(ref) == 1:
         return f"{phase}: world size 1, no collectives compared"
     def show(sent: dict) -> str:
-        return ", ".join(f"{n} x {k.replace('_', '-')} {d} {b:,} B" for (k, d, b), n in sorted(sent.items())) or "nothing"
+        return ", ".join(f"{n} x {k[0].replace('_', '-')}{f' over ranks {k[1]}' if by_group else ''} {k[-2]} {k[-1]:,} B"
+                         for k, n in sorted(sent.items(), key=str)) or "nothing"
 
     for rank, (a, b) in enumerate(zip(ref, got)):
-        sa, sb = a.comm.sent(phase), b.comm.sent(phase)
+        sa, sb = (a.comm.sent_by_group(phase), b.comm.sent_by_group(phase)) if by_group else \
+            (a.comm.sent(phase), b.comm.sent(phase))
+        if by_group and sa != sb and {(k[0], k[1]) for k in sa} != {(k[0], k[1]) for k in sb}:
+            raise AssertionError(
+                f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's in kind or process group: the "
+                f"hand-written FSDP sent {show(sb)}; FSDP2 sent {show(sa)}. HSDP: all-gathers and reduce-scatters "
+                "within the shard group (mesh dim 1), the all-reduce across the replicate group (mesh dim 0) (H12)")
         if sa != sb:
-            wrong_dtype = {d for _, d, _ in sb} - {d for _, d, _ in sa}
+            wrong_dtype = {k[-2] for k in sb} - {k[-2] for k in sa}
             hint = (f" The wire carries {', '.join(sorted(wrong_dtype))} where FSDP2 sends "
-                    f"{', '.join(sorted({d for _, d, _ in sa}))}: cast before the all-gather (H6) and reduce "
+                    f"{', '.join(sorted({k[-2] for k in sa}))}: cast before the all-gather (H6) and reduce "
                     "in the reduce dtype (H8)." if wrong_dtype else
                     " One collective per group and phase, each the group's padded shards (H1, H5).")
             raise AssertionError(f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's: the hand-written "
                                  f"FSDP sent {show(sb)}; FSDP2 sent {show(sa)}.{hint}")
-    total = sum(n * nbytes for (_, _, nbytes), n in ref[0].comm.sent(phase).items())
-    return f"{phase}: {sum(ref[0].comm.sent(phase).values())} collectives, {total / 2**20:.1f} MiB as FSDP2"
+    sent = ref[0].comm.sent_by_group(phase) if by_group else ref[0].comm.sent(phase)
+    total = sum(n * k[-1] for k, n in sent.items())
+    return f"{phase}: {sum(sent.values())} collectives, {total / 2**20:.1f} MiB as FSDP2"
 
 
 def fmt(counts: dict[str, float]) -> str:

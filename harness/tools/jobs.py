@@ -17,7 +17,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
@@ -36,21 +36,24 @@ def digest(p: torch.Tensor) -> str:
     return hashlib.sha256(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def assert_sharded(model: nn.Module, step: int) -> None:
-    """Every parameter is a Shard(0) DTensor on the world mesh with torch.chunk's rows."""
-    agree(sharding_error(model, step))
+def assert_sharded(model: nn.Module, step: int, replicate: int = 1) -> None:
+    """Every parameter is a Shard(0) DTensor on the world mesh with torch.chunk's rows (replicate > 1,
+    HSDP: a (Replicate(), Shard(0)) DTensor on the (replicate, world/replicate) mesh)."""
+    agree(sharding_error(model, step, replicate))
 
 
-def sharding_error(model: nn.Module, step: int) -> str | None:
+def sharding_error(model: nn.Module, step: int, replicate: int = 1) -> str | None:
     when = "after wrapping" if step == 0 else f"after step {step}"
     world = dist.get_world_size()
+    placements, shape = ((Shard(0),), (world,)) if replicate == 1 else \
+        ((Replicate(), Shard(0)), (replicate, world // replicate))
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             return (f"{when}: parameter {name} is a {type(p).__name__}, not a DTensor "
                     "(between steps every parameter must be sharded)")
-        if tuple(p.placements) != (Shard(0),) or p.device_mesh.size() != world:
-            return (f"{when}: parameter {name} has placements {p.placements} on a mesh of "
-                    f"{p.device_mesh.size()} ranks; expected (Shard(0),) on {world}")
+        if tuple(p.placements) != placements or tuple(p.device_mesh.shape) != shape:
+            return (f"{when}: parameter {name} has placements {p.placements} on a mesh of shape "
+                    f"{tuple(p.device_mesh.shape)}; expected {placements} on {shape}")
     return model_setup.row_layout_error(model, when)
 
 
@@ -64,17 +67,34 @@ _COLLECTIVES = {
     "all_gather_into_tensor": ("all_gather", 0), "all_gather_into_tensor_coalesced": ("all_gather", 0),
     "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    # Recorded in backward only: HSDP's replica all-reduce (the loss's and the grad norm's are the loop's).
+    "allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0),
 }
 
 
+def group_ranks(func, args) -> tuple[int, ...] | None:
+    """The global ranks of the process group a c10d op runs over (None where it cannot be told)."""
+    for arg, value in zip(func._schema.arguments, args):
+        try:
+            if arg.name == "process_group":
+                return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(value)))
+            if arg.name == "group_name":
+                return tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(value)))
+        except (RuntimeError, ValueError, TypeError, AttributeError):
+            return None
+    return None
+
+
 class CommLog(TorchDispatchMode):
-    """Every all-gather and reduce-scatter a rank issues: (step, phase, kind, dtype, bytes), and
-    whether FSDP2 issued it (its ops or its source on the stack)."""
+    """Every all-gather and reduce-scatter a rank issues, and every all-reduce in backward (HSDP's):
+    (step, phase, kind, dtype, bytes) and the ranks of its process group, and whether FSDP2 issued it
+    (its ops or its source on the stack)."""
 
     def __init__(self):
         super().__init__()
         self.step = 0  # set by the job: 0 is wrapping, then the optimizer step under way
         self.events: list[tuple[int, str, str, str, int]] = []
+        self.groups: list[tuple[int, ...] | None] = []  # each event's process group
         self.fsdp2: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -86,15 +106,19 @@ class CommLog(TorchDispatchMode):
             kind, index = _COLLECTIVES[name]
             tensors = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            if kind == "all_reduce" and phase != "backward":
+                return func(*args, **kwargs)
+            ranks = group_ranks(func, args)
             for t in tensors:
                 self.events.append((self.step, phase, kind, str(t.dtype).removeprefix("torch."),
                                     t.numel() * t.element_size()))
+                self.groups.append(ranks)
             if self.fsdp2 is None:
                 self.fsdp2 = handwritten.stack_problem()
         return func(*args, **kwargs)
 
     def record(self) -> Comm:
-        return Comm(list(self.events), self.fsdp2)
+        return Comm(list(self.events), self.fsdp2, list(self.groups))
 
 
 @dataclasses.dataclass
@@ -104,6 +128,7 @@ class Comm:
 
     events: list[tuple[int, str, str, str, int]]
     fsdp2: str | None
+    groups: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)  # each event's process group
 
     def sent(self, phase: str) -> dict:
         """{(kind, dtype, bytes): count} of one phase, over all steps after wrapping."""
@@ -111,6 +136,14 @@ class Comm:
         for step, ph, kind, dtype, nbytes in self.events:
             if step > 0 and ph == phase:
                 out[(kind, dtype, nbytes)] = out.get((kind, dtype, nbytes), 0) + 1
+        return out
+
+    def sent_by_group(self, phase: str) -> dict:
+        """{(kind, process group's ranks, dtype, bytes): count} of one phase, over all steps after wrapping."""
+        out: dict = {}
+        for (step, ph, kind, dtype, nbytes), ranks in zip(self.events, self.groups):
+            if step > 0 and ph == phase:
+                out[(kind, ranks, dtype, nbytes)] = out.get((kind, ranks, dtype, nbytes), 0) + 1
         return out
 
 
@@ -202,7 +235,7 @@ def train_job(cfg: train.Config, observe: bool = True) -> Run:
         elif holder["probes"] is not None:
             holder["probes"].after_step(step)
         if sharded:
-            assert_sharded(model, step)
+            assert_sharded(model, step, cfg.replicate)
         digests.append({name: digest(p) for name, p in model.named_parameters()})
         log.step = step + 1
 
@@ -221,7 +254,7 @@ def train_job(cfg: train.Config, observe: bool = True) -> Run:
 def forward_job(cfg: train.Config) -> Run:
     """Set up as train.py does and run the first micro-step's forward and loss only (no backward)."""
     model, device = train.setup(cfg)
-    assert_sharded(model, 0)
+    assert_sharded(model, 0, cfg.replicate)
     problem = fsdp2_problem(model, cfg)
     probes = Probes(model, cfg.reshard_after_forward)
     inputs, labels = next(train.build_data(cfg, dist.get_rank(), dist.get_world_size()))
@@ -354,7 +387,7 @@ def memory_job(cfg: train.Config) -> Memory:
     # After training, which makes the tokenizer whose vocabulary this reads on a fresh checkout.
     groups = memory_model.model_groups(cfg.model, cfg.seq_len, assets.vocab_size(),
                                        dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
-    world = dist.get_world_size()
+    world = dist.get_world_size() // cfg.replicate  # HSDP: the shard group's
     block = memory_model.largest_block(groups, world)
     reduce = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
     compute = train.DTYPES[cfg.param_dtype] or torch.float32

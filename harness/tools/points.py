@@ -45,6 +45,7 @@ LINES = (
     Line("bonus 1", 1, ("test_bonus1",), "bonus1", "bonus 1: reshard_after_forward=False"),
     Line("bonus 2", 1, ("test_bonus2",), "bonus2", "bonus 2: set_reshard_after_backward(False)"),
     Line("bonus 3", 1, ("test_bonus3",), "bonus3", "bonus 3: set_requires_gradient_sync(False)"),
+    Line("bonus 4", 1, ("test_bonus4",), "bonus4", "bonus 4: HSDP on a 2-D mesh"),
 )
 MARKERS = {line.marker: line.about for line in LINES}
 TOTAL = sum(line.points for line in LINES)

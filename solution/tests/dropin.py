@@ -38,16 +38,20 @@ def fsdp(impl: str | None):
 
 
 @contextlib.contextmanager
-def recorded(log: list):
-    """Record every torch.distributed collective called meanwhile: (kind, dtype, elements sent)."""
+def recorded(log: list, groups: bool = False):
+    """Record every torch.distributed collective called meanwhile: (kind, dtype, elements sent), and
+    with `groups` the global ranks of its process group (None: the default group)."""
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def wrap(name, fn):
         def call(*args, **kwargs):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             sent = tensors[-1] if tensors else None  # (output, input): the input is last
-            log.append((name, str(sent.dtype) if sent is not None else None,
-                        sent.numel() if sent is not None else None))
+            entry = (name, str(sent.dtype) if sent is not None else None, sent.numel() if sent is not None else None)
+            if groups:
+                group = kwargs.get("group")
+                entry += (tuple(dist.get_process_group_ranks(group)) if group is not None else None,)
+            log.append(entry)
             return fn(*args, **kwargs)
         return call
 
@@ -411,6 +415,46 @@ def case_refused(impl):
         m.weight = nn.Parameter(DTensor.from_local(m.weight.detach(), mesh(), [__import__("torch.distributed.tensor", fromlist=["Replicate"]).Replicate()]))
         f.fully_shard(m, mesh=mesh())
     out["DTensor parameter"] = error(dtensor_param)
-    out["2-D mesh"] = error(lambda: f.fully_shard(lin(), mesh=init_device_mesh("cpu", (1, ws), mesh_dim_names=("r", "s"))))
     out["2-D mesh without names"] = error(lambda: f.fully_shard(lin(), mesh=init_device_mesh("cpu", (1, ws))))
     return out
+
+
+def hsdp_mesh(shape: tuple[int, int]):
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=("replicate", "shard"))
+
+
+HSDP_MODES = (None, "no-reshard-after-forward", "no-sync", "no-reshard-after-backward", "no-all-reduce")
+
+
+def case_hsdp(impl, dtype, shape, mode=None, steps=3):
+    """HSDP on a 2-D (replicate, shard) mesh: 2 micro-steps per step, AdamW with clipping. Per step the
+    losses, the gradient norm, every shard; the placements, and every collective with its group's ranks.
+    mode: reshard_after_forward=False, or before the first micro-step set_requires_gradient_sync(False),
+    set_reshard_after_backward(False) or set_requires_all_reduce(False)."""
+    f = fsdp(impl)
+    policy = f.MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=DTYPES[dtype])
+    kwargs = {"reshard_after_forward": False} if mode == "no-reshard-after-forward" else {}
+    net = wrap(f, model(2), policy, mesh=hsdp_mesh(shape), **kwargs)
+    record = {"placements": {n: (p.device_mesh.mesh.tolist(), [str(x) for x in p.placements], tuple(p.to_local().shape))
+                             for n, p in net.named_parameters()},
+              "steps": []}
+    control = {"no-sync": net.set_requires_gradient_sync, "no-reshard-after-backward": net.set_reshard_after_backward,
+               "no-all-reduce": getattr(net, "set_requires_all_reduce", None)}.get(mode)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1, foreach=True)
+    log: list = []
+    with recorded(log, groups=True):
+        for step in range(1, steps + 1):
+            losses = []
+            for micro in range(2):
+                if control is not None:
+                    control(micro == 1)
+                loss = loss_of(net, 10 * step + micro) / 2
+                loss.backward()
+                losses.append(loss.item())
+            norm = nn.utils.clip_grad_norm_(list(net.parameters()), 0.5, foreach=True)
+            opt.step()
+            opt.zero_grad()
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            record["steps"].append({"losses": losses, "norm": norm.item(), "shards": shards(net)})
+    record["collectives"] = log
+    return record

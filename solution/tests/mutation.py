@@ -42,6 +42,15 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
          "        self.rows = [param.shape[0] // world + (r < param.shape[0] % world) for r in range(world)]\n"),
         ("        start = rank * self.padded_rows\n", "        start = sum(self.rows[:rank])\n"),
     ],
+    # HSDP (bonus 4): the replica all-reduce over the whole world instead of the replicate group: each
+    # rank's shard averaged with other ranks' different shards.
+    "hsdp-all-reduce-world": [(
+        "            work = dist.all_reduce(pending.output, op=op, group=self.replicate_group, async_op=True)\n",
+        "            work = dist.all_reduce(pending.output, op=op, async_op=True)\n")],
+    # HSDP without the replica all-reduce: each replica keeps its own gradients, the replicas drift apart.
+    "hsdp-skip-all-reduce": [(
+        "        if self.group.replicate_group is not None:  # HSDP: averaged across the replicas next\n",
+        "        if False:\n")],
     # Never resharding after forward: every block's full parameters stay until backward.
     "no-reshard-after-forward": [(
         "                if self.group.reshard_after_forward:\n                    self.group.reshard()\n",

@@ -157,6 +157,31 @@ def test_reshard_after_forward_to_a_smaller_group(pool4, dtype):
     check(pool4, dropin.case_train, dtype, 2)
 
 
+# ---- HSDP (bonus 4): a 2-D (replicate, shard) mesh on 4 ranks
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 2), (2, 1), (1, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hsdp(pools, shape, dtype):
+    """Parameters (Replicate(), Shard(0)) DTensors with the shard dim's rows; all-gathers and reduce-scatters
+    within the shard group, the all-reduce across the replicate group (AVG, FSDP2's order and dtypes); every
+    loss, gradient norm and shard bit for bit. 2x1: no all-gather or reduce-scatter at all; 1x2: an
+    all-reduce over one rank, as FSDP2. (2x1 and 1x2 run on 2 ranks: what a 4-rank run adds is 2x2's.)"""
+    pool = pools(shape[0] * shape[1])
+    ref, _ = check(pool, dropin.case_hsdp, dtype, shape)
+    kinds = {(name, group) for name, _, _, group in ref[0]["collectives"]}
+    expect = {(2, 2): {("all_gather_into_tensor", (0, 1)), ("reduce_scatter_tensor", (0, 1)), ("all_reduce", (0, 2))},
+              (2, 1): {("all_reduce", (0, 1))},
+              (1, 2): {("all_gather_into_tensor", (0, 1)), ("reduce_scatter_tensor", (0, 1)), ("all_reduce", (0,))}}
+    assert kinds == expect[shape], f"FSDP2's HSDP collectives on rank 0 changed: {kinds}"
+
+
+@pytest.mark.parametrize("mode", dropin.HSDP_MODES[1:])
+def test_hsdp_modes(pools, mode):
+    """HSDP with reshard_after_forward=False, and with accumulation over 2 micro-steps without gradient sync,
+    without reshard after backward, or without the replica all-reduce (set_requires_all_reduce(False))."""
+    check(pools(4), dropin.case_hsdp, "float32", (2, 2), mode)
+
+
 def test_refusals_name_the_argument_and_the_alternative(pools):
     """What the reference refuses by design (FSDP2 supports it): the exception names the argument and
     what to use instead; where FSDP2 validates (mixed dtypes, unnamed 2-D mesh) FSDP2's exception type."""
@@ -164,7 +189,7 @@ def test_refusals_name_the_argument_and_the_alternative(pools):
     ref = checks.run(pool2, dropin.case_refused, None)[0]
     got = checks.run(pool2, dropin.case_refused, REFERENCE)[0]
     for what, argument in {"ignored_params": "ignored_params", "shard_placement_fn": "shard_placement_fn",
-                           "mixed dtypes": "dtype", "DTensor parameter": "DTensor", "2-D mesh": "mesh",
+                           "mixed dtypes": "dtype", "DTensor parameter": "DTensor",
                            "2-D mesh without names": "mesh"}.items():
         assert got[what] is not None, f"{what}: the reference accepts it"
         kind, message = got[what]

@@ -1,6 +1,6 @@
 """The Gradescope bundle, end to end: built by the release command, unpacked fresh as Gradescope does
 (into ROOT/source, run_autograder copied to ROOT/run_autograder), set up by its own setup.sh, and
-run_autograder run on submissions with ROOT redirected (AUTOGRADER_ROOT): the reference (13),
+run_autograder run on submissions with ROOT redirected (AUTOGRADER_ROOT): the reference (all points),
 the skeleton (0, its TODO named), a file that hangs (0, timed out, nothing left running), one that
 does not compile (0, its line named), FSDP2 re-exported (0), and each attack on the process boundary
 (0, nothing it could write changed, nothing left; as root its ranks run as the sandbox user)."""

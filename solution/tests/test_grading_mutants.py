@@ -16,6 +16,7 @@ import pytest
 
 from harness.tools import checks, handwritten, jobs, policy
 from harness.tools.points import LINES
+from harness.tools.ranks import RankError
 from solution.tests.mutation import CHEATS, SOURCE_CHEATS, SOURCE_REFUSALS, write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +95,22 @@ def test_shard_difference_is_measured(pool2, mutant):
 def test_cast_after_gather_fails_communication(pool2, mutant):
     with pytest.raises(AssertionError, match=r"hand-written FSDP sent .*float32.*FSDP2 sent .*bfloat16"):
         checks.check_forward(pool2, mutant("cast-after-gather"), "bfloat16", "float32")
+
+
+@pytest.mark.parametrize("name, message", [
+    # Rank 0's shard averaged with rank 1's (a different shard): the numbers, and the all-reduce's group.
+    ("hsdp-all-reduce-world", r"bonus 4 \(HSDP on a 2 x 2 mesh\): .*(differs|process group)"),
+    ("hsdp-skip-all-reduce", r"bonus 4 \(HSDP on a 2 x 2 mesh\): .*(differs|collectives differ)"),
+])
+def test_hsdp_check_fails(pool4, mutant, tmp_path, name, message):
+    with pytest.raises(AssertionError, match=message):
+        checks.check_hsdp(pool4, mutant(name), "float32", "float32", tmp_path)
+
+
+def test_hsdp_check_fails_on_the_skeleton(pool4, tmp_path):
+    """The skeleton (and any file that only supports 1-D meshes) fails bonus 4 with its TODO, saying why."""
+    with pytest.raises((AssertionError, RankError), match=r"(?s)bonus 4 \(HSDP on a 2 x 2 mesh\): .*TODO\(bonus4\).*does not support a 2-D mesh"):
+        checks.check_hsdp(pool4, str(ROOT / "fsdp.py"), "float32", "float32", tmp_path)
 
 
 def points(path: str, tmp_path: Path, *args: str, output: list | None = None) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.tools.points import TOTAL
 from solution import release
 from solution.release import ReleaseError
 from solution.tests import test_classroom as classroom
@@ -93,8 +94,8 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     """uv sync --frozen works there; its harness tests collect and those about the checkout pass; the
     graded tests stop at the first TODO;
     with the reference as fsdp.py (the default file under test there) a graded line earns its
-    points. Only task 1's forward: the same test.py, conftest and harness give the reference 13 of
-    13 in this repository's own run of test.py, so all of it again here would prove nothing new."""
+    points. Only task 1's forward: the same test.py, conftest and harness give the reference all
+    the points in this repository's own run of test.py, so all of it again here would prove nothing new."""
     share_store(student_repo)
     sync = run([*uv(), "sync", "--frozen", "--quiet"], student_repo, timeout=900)
     assert sync.returncode == 0, show(sync)
@@ -125,7 +126,7 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     # not -q: the header names the file under test
     assert f"hand-written FSDP under test: {student_repo / 'fsdp.py'}" in graded.stdout, show(graded)
     assert re.search(r"^task 1 forward +3 / 3 +10 cases pass", graded.stdout, re.M), show(graded)
-    assert re.search(r"^total +3 / 3 \(of the lines graded; all: 13\)$", graded.stdout, re.M), show(graded)
+    assert re.search(rf"^total +3 / 3 \(of the lines graded; all: {TOTAL}\)$", graded.stdout, re.M), show(graded)
     earned = {s["with"]["test-name"]: shell(s["with"]["command"], student_repo) for s in classroom.graders(doc)}
     assert earned["task 1 forward"].returncode == 0, show(earned["task 1 forward"])
     assert all(earned[name].returncode == 1 for name in earned if name != "task 1 forward"), \
