@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from harness import assets, checkpoint, fit, impl, memory, model_setup, profiling
-from harness.distributed import current_device, init_distributed, shutdown_distributed
+from harness.distributed import current_device, device_mesh, init_distributed, shutdown_distributed
 from harness.errors import ConfigError, stop
 from harness.validate import validate
 
@@ -67,8 +67,7 @@ class Config:
     reduce_dtype: Literal["float32", "bfloat16", "none"] = "none"
     """mixed precision: dtype gradients are reduce-scattered in (none: the compute dtype)."""
     replicate: int = 1
-    """HSDP: split the ranks into this many replicas, a 2-D mesh (replicate, shard) of replicate x
-    world/replicate: parameters sharded within a replica, gradients averaged across replicas (1: plain FSDP)."""
+    """HSDP: R replicas of world/R ranks (2-D mesh): sharded within a replica, averaged across."""
     prefetch: bool = True
     """--fsdp effdl: gather the next group while the current one computes (False: each group gathers
     when it runs; same numbers, no overlap: FSDPModule.set_prefetch)."""
@@ -136,20 +135,8 @@ def apply_fsdp(model: nn.Module, fsdp: ModuleType, mesh: DeviceMesh, cfg: Config
         model_setup.compile_blocks(model, impl.compile_backend(cfg.fsdp, cfg.impl))
     for block in model.layers.values():
         fsdp.fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=cfg.reshard_after_forward)
-    # The root (embeddings, final norm, output) keeps its default: not resharded after
-    # forward, since backward starts with it right away.
+    # The root (embeddings, final norm, output) keeps its default: not resharded after forward (backward starts there).
     return fsdp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-
-
-def device_mesh(device: torch.device, world_size: int, replicate: int) -> DeviceMesh:
-    """The ranks as one shard group (a 1-D mesh), or with --replicate R as R replicas of world/R ranks each:
-    rank r is in replica r // (world/R) and shards with the ranks of its replica (FSDP2's HSDP mesh)."""
-    if replicate == 1:
-        return init_device_mesh(device.type, (world_size,))
-    if world_size % replicate:
-        raise ConfigError(f"--replicate {replicate} must divide the world size {world_size} (each replica "
-                          f"shards over world/replicate ranks); use a divisor of {world_size}")
-    return init_device_mesh(device.type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
 
 
 def build_data(cfg: Config, rank: int, world_size: int):
@@ -216,7 +203,6 @@ def setup(cfg: Config) -> tuple[nn.Module, torch.device]:
         assets.ensure(ROOT, log=lambda msg: print(msg, flush=True))
     dist.barrier()
     assets.check(ROOT)
-
     if cfg.memory_check:
         fit.refuse_if_too_big(cfg, device, assets.vocab_size(ROOT))
     model = model_setup.build_model(cfg.model, cfg.seq_len, cfg.seed, torch.device("meta") if cfg.meta_init else device,

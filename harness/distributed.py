@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from harness import compat
 from harness.errors import ConfigError
@@ -114,3 +115,14 @@ def agree(error: str | None) -> None:
     if failed:
         rank, first = failed[0]
         raise AssertionError(f"{first} [rank {rank}; failed on ranks {[r for r, _ in failed]}]")
+
+
+def device_mesh(device: torch.device, world_size: int, replicate: int) -> DeviceMesh:
+    """The ranks as one shard group (a 1-D mesh), or with --replicate R as R replicas of world/R ranks each:
+    rank r is in replica r // (world/R) and shards with the ranks of its replica (FSDP2's HSDP mesh)."""
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,))
+    if world_size % replicate:
+        raise ConfigError(f"--replicate {replicate} must divide the world size {world_size} (each replica "
+                          f"shards over world/replicate ranks); use a divisor of {world_size}")
+    return init_device_mesh(device.type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
