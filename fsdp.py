@@ -774,10 +774,12 @@ class FSDPState:
             # all-gather allocates more; one still running is left to run.
             self.group.unshard()  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
-            # TODO(task3): backward prefetch
-            # Prefetch the group whose backward runs next, so that its all-gather runs while this
-            # group's backward computes (H11).
-            _prefetch(self.backward_prefetch)  # set_modules_to_backward_prefetch
+            if not self.backward_prefetch:  # set_modules_to_backward_prefetch replaces it, as in FSDP2
+                # TODO(task3): backward prefetch
+                # Prefetch the group whose backward runs next, so that its all-gather runs while this
+                # group's backward computes (H11).
+                pass
+            _prefetch(self.backward_prefetch)
         return grad
 
     @torch.compiler.disable

@@ -877,15 +877,16 @@ class FSDPState:
             # endregion
             self.group.unshard()  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
-            # region task3: backward prefetch
-            # Prefetch the group whose backward runs next, so that its all-gather runs while this
-            # group's backward computes (H11).
-            positions = ctx.backward_positions.get(self.group)
-            index = positions.pop() if positions else 0
-            if index > 0:
-                ctx.post_forward_order[index - 1].prefetch()
-            # endregion
-            _prefetch(self.backward_prefetch)  # set_modules_to_backward_prefetch
+            if not self.backward_prefetch:  # set_modules_to_backward_prefetch replaces it, as in FSDP2
+                # region task3: backward prefetch
+                # Prefetch the group whose backward runs next, so that its all-gather runs while this
+                # group's backward computes (H11).
+                positions = ctx.backward_positions.get(self.group)
+                index = positions.pop() if positions else 0
+                if index > 0:
+                    ctx.post_forward_order[index - 1].prefetch()
+                # endregion
+            _prefetch(self.backward_prefetch)
         return grad
 
     @torch.compiler.disable
