@@ -112,7 +112,7 @@ test_bonus1, test_bonus2, test_bonus3 = (_bonus(b) for b in ("bonus1", "bonus2",
 def test_bonus4(impl, pool4, param_dtype, reduce_dtype, tmp_path, evidence):
     """HSDP on a 2 x 2 mesh (4 ranks: 2 replicas of 2 shards), each precision case: every loss, grad norm
     and shard bit-identical to FSDP2's HSDP, its collectives per phase and process group (count, dtype,
-    bytes), overlap kept, memory."""
+    bytes); in the first case also overlap kept and memory."""
     evidence(checks.check_hsdp(pool4, impl, param_dtype, reduce_dtype, tmp_path))
 
 
