@@ -21,7 +21,6 @@ from torch import nn
 import train
 from harness import assets, checkpoint, fit, model_setup
 from harness.tools import checks, compare, jobs, policy
-from harness.tools.policy import PRECISIONS
 from harness.distributed import current_device
 from harness.errors import ConfigError
 from harness.tools.ranks import RankError, Ranks
@@ -161,18 +160,17 @@ def tied_job(impl: str | None, split: bool = False) -> list[dict[str, torch.Tens
 # --------------------------------------------------------------------------- activation checkpointing
 
 
-@pytest.mark.parametrize("param_dtype,reduce_dtype", PRECISIONS)
-@pytest.mark.parametrize("world", [2, 3])
+# One end-to-end run per path: the mixed-precision case at world 2, the uneven shards of world 3 in float32.
+@pytest.mark.parametrize("world,param_dtype,reduce_dtype", [(2, "bfloat16", "float32"), (3, "float32", "float32")])
 def test_activation_checkpointing_matches_fsdp2(request, impl, world, param_dtype, reduce_dtype):
     pool = request.getfixturevalue(f"pool{world}")
     checks.check_step(pool, impl, param_dtype, reduce_dtype, num_steps=3, activation_checkpoint="full")
 
 
-@pytest.mark.parametrize("modes", [["bonus1"], ["bonus2"], ["bonus3"], ["bonus1", "bonus2", "bonus3"]],
-                         ids=lambda m: "+".join(m))
-def test_activation_checkpointing_with_bonus_modes(pool2, impl, modes):
+def test_activation_checkpointing_with_bonus_modes(pool2, impl):
+    """All three bonus modes at once (each alone is graded by test.py without recomputation)."""
     checks.check_step(pool2, impl, "bfloat16", "float32", num_steps=3, activation_checkpoint="full",
-                        **policy.mode_flags(modes))
+                      **policy.mode_flags(["bonus1", "bonus2", "bonus3"]))
 
 
 def test_activation_checkpointing_changes_nothing_numerically(pool2):
@@ -184,10 +182,9 @@ def test_activation_checkpointing_changes_nothing_numerically(pool2):
     assert [[list(s.values()) for s in r.digests] for r in with_ac] == [[list(s.values()) for s in r.digests] for r in without]
 
 
-@pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "float32"), ("none", "none")])
-def test_recompute_around_fsdp_module_matches_fsdp2(pool2, impl, param_dtype, reduce_dtype):
+def test_recompute_around_fsdp_module_matches_fsdp2(pool2, impl):
     """torch.utils.checkpoint around the FSDP module: its hooks run again inside backward."""
-    cfg = short(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    cfg = short(impl, param_dtype="float32", reduce_dtype="float32")
     ref = checks.run(pool2, recompute_outside_job, policy.as_fsdp2(cfg))
     got = checks.run(pool2, recompute_outside_job, cfg)
     what = "checkpoint around each FSDP block, " + policy.describe(cfg, 2)
@@ -198,7 +195,7 @@ def test_recompute_around_fsdp_module_matches_fsdp2(pool2, impl, param_dtype, re
 # --------------------------------------------------------------------------- meta-device init
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 3])
 def test_meta_init_equals_full_init(request, impl, world):
     """Both FSDPs, built on meta and materialised shard by shard, hold exactly the rows of the
     full model's init (--no-meta-init), at every world size."""
@@ -231,7 +228,7 @@ def test_meta_init_check_fails_without_full_tensor_init(pool2):
 # --------------------------------------------------------------------------- world size 1
 
 
-@pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "float32"), ("bfloat16", "float32")])
+@pytest.mark.parametrize("param_dtype,reduce_dtype", [("bfloat16", "float32")])
 def test_world_size_1(pool1, impl, param_dtype, reduce_dtype):
     checks.check_step(pool1, impl, param_dtype, reduce_dtype, num_steps=3)
     checks.check_step(pool1, impl, param_dtype, reduce_dtype, num_steps=3, activation_checkpoint="full")
@@ -240,7 +237,7 @@ def test_world_size_1(pool1, impl, param_dtype, reduce_dtype):
 # --------------------------------------------------------------------------- tied weights
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_tied_weights_in_one_group_match_fsdp2(request, impl, world):
     pool = request.getfixturevalue(f"pool{world}")
     ref = checks.run(pool, tied_job, None)[0]
@@ -267,8 +264,8 @@ def _resume(pool, saver: train.Config, resumer: train.Config, directory: Path):
     return whole, resumed
 
 
-@pytest.mark.parametrize("saved_by,resumed_by", [("fsdp2", "fsdp2"), ("effdl", "effdl"), ("fsdp2", "effdl"),
-                                                 ("effdl", "fsdp2")])
+# Across implementations both ways: the hand-written FSDP's checkpoints are FSDP2's format, saved and loaded.
+@pytest.mark.parametrize("saved_by,resumed_by", [("fsdp2", "effdl"), ("effdl", "fsdp2")])
 def test_resume_is_bit_identical(pool2, impl, tmp_path, saved_by, resumed_by):
     pick = lambda which: short(impl) if which == "effdl" else policy.as_fsdp2(short(impl))
     whole, resumed = _resume(pool2, pick(saved_by), pick(resumed_by), tmp_path)
