@@ -661,7 +661,7 @@ class _Check:
 # [Note: the one lookup by a run-time name]
 # FSDP2's register_fsdp_forward_method patches the method its caller names, so it must look the
 # method up by a name given at run time, which the check refuses anywhere else. A file may hold it
-# exactly as the reference gives it (solution/fsdp.py, given code in the skeleton; a test keeps the
+# exactly as the reference gives it (given code in the skeleton, fsdp.py; a test keeps the
 # two equal), compared as syntax, docstring aside. Equal text is not enough: every name the function
 # calls must mean what it means in the reference, or the guard bends into a general getattr (an
 # isinstance that says yes to `os`, a functools.wraps that hands the looked-up object out). So:
