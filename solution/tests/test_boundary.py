@@ -27,7 +27,7 @@ import pytest
 from harness.tools import checks, handwritten, jobs, policy, sandbox
 from harness.tools.ranks import RankError, RankPool, Ranks, Refused
 from solution.tests.boundary import digest_tree, sandbox_processes
-from solution.tests.mutation import BOUNDARY_CHEATS, write_mutant
+from solution.tests.mutation import write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solution" / "fsdp.py"
@@ -298,7 +298,10 @@ def test_background_process_of_a_file_is_killed(boundary_mutant):
 # --------------------------------------------------------------------------- as graders run them
 
 
-@pytest.mark.parametrize("name", list(BOUNDARY_CHEATS))
+# One end-to-end run: every boundary mutant takes the same path through test.py (refused by its source
+# before any rank starts; test_source_check_refuses covers each), and each one's own attack is run on
+# the ranks by the tests above.
+@pytest.mark.parametrize("name", ["write-protected"])
 def test_boundary_mutant_scores_zero(boundary_mutant, name, tmp_path):
     """`pytest test.py --impl FILE` as graders run it: every line 0, each saying why the file was
     refused, the protected files byte-identical, nothing left running."""

@@ -8,20 +8,12 @@ is the same either way round, with three the order in which gloo adds them chang
 import pytest
 
 from harness.tools.policy import PRECISIONS
-from harness.tools.ranks import RankPool
 from solution import make_skeleton
 from solution.tests import conformance
 
 REFERENCE = str(make_skeleton.SOLUTION)
 # Without and with mixed precision; frozen parameters get all four cases.
 UNIFORM = [("float32", "float32"), ("bfloat16", "bfloat16")]
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = RankPool(4, device="cpu", role="own")  # the instructors' own models and the reference, not graded
-    yield pool
-    pool.close()
 
 
 @pytest.mark.parametrize("param_dtype, reduce_dtype", UNIFORM)
@@ -32,7 +24,8 @@ def test_matches_fsdp2(request, model, world, param_dtype, reduce_dtype):
 
 
 @pytest.mark.parametrize("param_dtype, reduce_dtype", PRECISIONS)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [3])
 def test_frozen_matches_fsdp2(request, world, param_dtype, reduce_dtype):
-    """Frozen parameters in a group and a group frozen whole: gathered, never reduced."""
+    """Frozen parameters in a group and a group frozen whole: gathered, never reduced (world size 3, where
+    summation orders show; freezing after wrapping is test_dropin's, at world sizes 1, 2 and 3)."""
     conformance.check(request.getfixturevalue(f"pool{world}"), "frozen", REFERENCE, param_dtype, reduce_dtype)

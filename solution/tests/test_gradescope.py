@@ -2,7 +2,7 @@
 (into ROOT/source, run_autograder copied to ROOT/run_autograder), set up by its own setup.sh, and
 run_autograder run on submissions with ROOT redirected (AUTOGRADER_ROOT): the reference (all points),
 the skeleton (0, its TODO named), a file that hangs (0, timed out, nothing left running), one that
-does not compile (0, its line named), FSDP2 re-exported (0), and each attack on the process boundary
+does not compile (0, its line named), FSDP2 re-exported (0), and an attack on the process boundary
 (0, nothing it could write changed, nothing left; as root its ranks run as the sandbox user)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from harness.tools.points import LINES, TOTAL
 from solution import make_skeleton, release
 from solution.release import ReleaseError
 from solution.tests.boundary import digest_tree, sandbox_processes
-from solution.tests.mutation import BOUNDARY_CHEATS, CHEATS
+from solution.tests.mutation import CHEATS
 from solution.tests.test_release import share_store, show, uv
 
 HANG = '''"""Hangs in fully_shard: the autograder must stop it."""
@@ -175,10 +175,10 @@ def test_skeleton_scores_zero_at_its_todo(autograder):
 
 
 def test_hang_times_out_and_leaves_nothing_running(autograder):
-    doc, _ = autograde(autograder, {"fsdp.py": HANG}, "--timeout", "60")
-    assert doc["score"] == 0 and doc["output"].startswith("timed out after 60 s"), doc["output"]
+    doc, _ = autograde(autograder, {"fsdp.py": HANG}, "--timeout", "30")
+    assert doc["score"] == 0 and doc["output"].startswith("timed out after 30 s"), doc["output"]
     assert all("timed out" in t["output"] for t in lines(doc)), doc["tests"]
-    assert 60 <= doc["execution_time"] < 200, doc["execution_time"]
+    assert 30 <= doc["execution_time"] < 170, doc["execution_time"]
 
 
 def test_reference_scores_everything(autograder):
@@ -208,7 +208,9 @@ def test_run_autograder_writes_a_result_when_the_tool_cannot_start(tmp_path):
     assert doc["score"] == 0 and "the autograder could not start (exit 1)" in doc["output"], (doc, show(proc))
 
 
-@pytest.mark.parametrize("name", list(BOUNDARY_CHEATS))
+# One end-to-end run through the bundle (as root, the sandbox user's path): the other boundary mutants take
+# the same path (solution/tests/test_boundary.py runs each one's attack on the ranks).
+@pytest.mark.parametrize("name", ["write-protected"])
 def test_boundary_mutant_scores_zero(autograder, name):
     """Each attack on the grader from the submission's own processes (solution/tests/mutation.py):
     0 on every line with the refusal, results.json the tool's own, the repository and FSDP2's stored
