@@ -146,6 +146,18 @@ def reachable() -> None:
                       f"{USER} can import Python's library from under it", file=sys.stderr, flush=True)
 
 
+def environment(grader: dict[str, str], private: Private) -> dict[str, str]:
+    """A sandboxed rank's environment: of the grader's (tokens, its own paths) only what configures
+    the run (KEPT, KEPT_PREFIXES), and its caches in its private home, not where root's are (the
+    forkserver, root, may have set inductor's cache folder in the environment already)."""
+    cache = private.home / ".cache"
+    return {**{k: v for k, v in grader.items() if k in KEPT or k.startswith(KEPT_PREFIXES)},
+            "USER": USER, "LOGNAME": USER, "HOME": str(private.home), "TMPDIR": str(private.tmp),
+            "XDG_CACHE_HOME": str(cache), "HF_HOME": str(cache / "huggingface"),
+            "HF_DATASETS_CACHE": str(cache / "huggingface" / "datasets"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+
+
 def enter(private: Private) -> None:
     """In a freshly forked rank, before any file under test is imported: become the sandbox user for
     good, with the private HOME and TMPDIR. Not root: nothing changes (the student's own run)."""
@@ -170,16 +182,9 @@ def enter(private: Private) -> None:
     # (/proc/self/clear_refs, harness/compat.py)
     if libc.prctl(4, 1, 0, 0, 0) != 0:
         raise SandboxError("prctl(PR_SET_DUMPABLE) failed")
-    # The grader's environment is the grader's (tokens, its own paths): a rank keeps only what
-    # configures the run (KEPT), and finds its caches in its own home, not where root's are.
-    kept = {k: v for k, v in os.environ.items() if k in KEPT or k.startswith(KEPT_PREFIXES)}
+    kept = environment(os.environ, private)
     os.environ.clear()
     os.environ.update(kept)
-    cache = private.home / ".cache"
-    os.environ.update(USER=USER, LOGNAME=USER, HOME=str(private.home), TMPDIR=str(private.tmp),
-                      XDG_CACHE_HOME=str(cache), HF_HOME=str(cache / "huggingface"),
-                      HF_DATASETS_CACHE=str(cache / "huggingface" / "datasets"),
-                      TORCHINDUCTOR_CACHE_DIR=str(cache / "torchinductor"), TRITON_CACHE_DIR=str(cache / "triton"))
     tempfile.tempdir = None  # read TMPDIR again
     if (codecache := sys.modules.get("torch._inductor.codecache")) is not None:
         # imported by the forkserver, which put inductor's precompiled headers in root's cache

@@ -196,6 +196,22 @@ def test_written_files_come_back_as_plain_files(ranks, tmp_path):
 # --------------------------------------------------------------------------- the unprivileged user
 
 
+def test_sandboxed_environment_keeps_only_the_runs_settings(tmp_path):
+    """A sandboxed rank sees none of the grader's credentials or paths, and has its caches (inductor's
+    too, which the root forkserver may have pointed at root's folder) in its own home."""
+    private = sandbox.Private(tmp_path, None, None)
+    grader = {"PATH": "/usr/bin", "LC_ALL": "C", "GLOO_SOCKET_IFNAME": "lo", "AWS_SECRET_ACCESS_KEY": "k",
+              "GITHUB_TOKEN": "t", "HOME": "/root", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root",
+              "FSDP2_CACHE_DIR": "/root/store", "VIRTUAL_ENV": "/root/.venv"}
+    env = sandbox.environment(grader, private)
+    assert {k: env[k] for k in ("PATH", "LC_ALL", "GLOO_SOCKET_IFNAME")} == {k: grader[k] for k in ("PATH", "LC_ALL",
+                                                                                                 "GLOO_SOCKET_IFNAME")}
+    assert not {"AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "FSDP2_CACHE_DIR", "VIRTUAL_ENV"} & set(env), sorted(env)
+    assert env["USER"] == sandbox.USER and env["HOME"] == str(private.home)
+    assert all(Path(env[k]).is_relative_to(private.home) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                                                   "HF_DATASETS_CACHE", "XDG_CACHE_HOME")), env
+
+
 @as_root
 def test_sandboxed_ranks_run_unprivileged(ranks, tmp_path):
     private = tmp_path / "points.json"
