@@ -186,7 +186,8 @@ def test_hang_times_out_and_leaves_nothing_running(autograder):
 def test_reference_scores_everything(autograder):
     """The whole graded suite (about 4 minutes on an idle 2-core CPU)."""
     doc, stdout = autograde(autograder, {"fsdp.py": make_skeleton.SOLUTION.read_text()})
-    assert doc["score"] == TOTAL, doc["output"]
+    short = [f"{t['name']}:\n{t['output'][-4000:]}" for t in doc["tests"] if t["score"] < t["max_score"]]
+    assert doc["score"] == TOTAL, doc["output"] + "\n\n" + "\n\n".join(short)  # each failed line's whole evidence
     assert [t["score"] for t in doc["tests"][:len(LINES)]] == [line.points for line in LINES], doc["tests"]
     assert f"score {TOTAL} / {TOTAL}" in stdout, stdout
 
