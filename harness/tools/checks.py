@@ -121,14 +121,22 @@ def check_step(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **ov
     __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
     what = describe(cfg, pool.world_size)
+    got, evidence = compare_step(pool, cfg, what)
+    return f"{len(got[0].result.losses)} steps bit-identical; " + "; ".join(evidence)
+
+
+def compare_step(pool: Ranks, cfg, what: str) -> tuple[list, list[str]]:
+    """The graded run of `cfg` and FSDP2's: no rank's problems, every loss, grad norm and shard
+    bit-identical, every collective FSDP2's (by process group on a 2-D mesh). The hand-written
+    FSDP's runs, and the evidence of each phase's collectives."""
+    __tracebackhide__ = True
     ref, got = run_graded(pool, train_job, cfg)
     for rank, r in enumerate(got):
         if r.problems:
             raise AssertionError(f"{what}: rank {rank}: " + "; ".join(r.problems[:3]))
     assert_same_numbers(ref[0].result, got[0].result, what)
     assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, measure_shard(pool, cfg))
-    evidence = [assert_same_comm(ref, got, phase, what, by_group=cfg.replicate > 1) for phase in ("forward", "backward")]
-    return f"{len(got[0].result.losses)} steps bit-identical; " + "; ".join(evidence)
+    return got, [assert_same_comm(ref, got, phase, what, by_group=cfg.replicate > 1) for phase in ("forward", "backward")]
 
 
 def check_odd_shapes(pool: Ranks, impl: str) -> str:
@@ -337,13 +345,7 @@ def check_hsdp(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, fold
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, replicate=replicate, **HSDP)
     what = f"HSDP on a {shape} mesh, {describe(cfg, pool.world_size)}"
     try:
-        ref, got = run_graded(pool, train_job, cfg)
-        for rank, r in enumerate(got):
-            if r.problems:
-                raise AssertionError(f"{what}: rank {rank}: " + "; ".join(r.problems[:3]))
-        assert_same_numbers(ref[0].result, got[0].result, what)
-        assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, measure_shard(pool, cfg))
-        sent = [assert_same_comm(ref, got, phase, what, by_group=True) for phase in ("forward", "backward")]
+        got, sent = compare_step(pool, cfg, what)  # replicate > 1: collectives compared by process group
         overlap = []
         if (param_dtype, reduce_dtype) == PRECISIONS[0]:
             # Overlap and memory once, in the first precision case (4 ranks on a small machine are slow; the
