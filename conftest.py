@@ -37,6 +37,7 @@ def pytest_configure(config):
     config._points = {}  # test function -> {nodeid: (outcome, text)}: passed + evidence, skipped + reason,
     # failed + its first line
     config._cases = {}  # test function -> every collected case of test.py, selected or not
+    config._details = {}  # nodeid of a failed case -> its report (the rank's traceback), for the points JSON
 
 
 def pytest_collection(session):
@@ -151,6 +152,7 @@ def pytest_runtest_makereport(item, call):
             outcome = ("skipped", _skip_reason(report))
         else:
             outcome = ("failed", _todo(call) or _first_line(report))
+            item.config._details[item.nodeid] = _details(report)
             if name in ("test_task2", "test_task3"):  # --artifacts: why overlap.png may lack a panel
                 item.config._profiles_failed = report.longreprtext
         item.config._points.setdefault(name, {})[item.nodeid] = outcome
@@ -164,6 +166,17 @@ def _todo(call) -> str | None:
 
     todo = todo_reached(call.excinfo.value) if call.excinfo is not None else None
     return f"stopped at {todo}"[:160] if todo else None
+
+
+DETAILS = 12_000
+"""characters of a failed case's report kept for the points JSON (its end: the rank's traceback)"""
+
+
+def _details(report) -> str:
+    """A failed case's whole report (the failing rank's traceback within it), its last DETAILS characters:
+    what a student on Gradescope reads under the line's one-line evidence."""
+    text = report.longreprtext.strip()
+    return text if len(text) <= DETAILS else "[...]\n" + text[-DETAILS:]
 
 
 def _first_line(report) -> str:
@@ -187,7 +200,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     if not config._points:
         return
-    rows = points.table(config._points, config._cases)
+    rows = points.table(config._points, config._cases, config._details)
     terminalreporter.section("points")
     for line in points.render(rows):
         terminalreporter.write_line(line)

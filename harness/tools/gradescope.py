@@ -92,7 +92,8 @@ def results(rows: list[dict], failure: str, seconds: float, pictures: Path | Non
         score = row["earned"] or 0  # a line not graded (None) earns nothing here
         tests.append({"name": line.name, "score": score, "max_score": line.points,
                       "status": "passed" if score == line.points else "failed",
-                      "output": row["evidence"], "output_format": "text", "visibility": "visible"})
+                      "output": row["evidence"] + (f"\n\n{row['details']}" if row.get("details") else ""),
+                      "output_format": "text", "visibility": "visible"})
     if pictures is not None:
         tests += [picture_test(pictures / f, name) for f, name in PICTURES.items() if (pictures / f).is_file()]
     summary = "\n".join(([failure, ""] if failure else []) + render(rows))

@@ -51,8 +51,9 @@ MARKERS = {line.marker: line.about for line in LINES}
 TOTAL = sum(line.points for line in LINES)
 
 
-def table(results: dict, collected: dict | None = None) -> list[dict]:
-    """One row per line: {task, earned (None: not graded), max, evidence}.
+def table(results: dict, collected: dict | None = None, details: dict | None = None) -> list[dict]:
+    """One row per line: {task, earned (None: not graded), max, evidence}, and for a failed line its
+    first failure's whole report (details: nodeid -> text) as "details".
 
     results: test function -> {nodeid: (outcome, text)}, outcome "passed" (text: its evidence),
     "skipped" (the reason) or "failed" (its first line); collected: test function -> every case
@@ -63,11 +64,14 @@ def table(results: dict, collected: dict | None = None) -> list[dict]:
         expected = {nodeid for t in line.tests for nodeid in (collected or {}).get(t, ())} | set(cases)
         row = dict(task=line.name, earned=None, max=line.points)
         failed = [text for outcome, text in cases.values() if outcome == "failed"]
+        first_failed = next((nodeid for nodeid, (outcome, _) in cases.items() if outcome == "failed"), None)
         skipped = [text for outcome, text in cases.values() if outcome == "skipped"]
         if not cases:
             row["evidence"] = "not run"
         elif failed:
             row.update(earned=0, evidence=f"{len(failed)} of {len(cases)} cases fail: {failed[0]}")
+            if (text := (details or {}).get(first_failed)):
+                row["details"] = f"{first_failed}:\n{text}"
         elif skipped:  # a skip is never a failure
             row["evidence"] = f"not graded: {len(skipped)} of its {len(expected)} cases skipped: {skipped[0]}"
         elif len(cases) < len(expected):

@@ -83,6 +83,9 @@ class Private:
     root: Path
     uid: int | None
     gid: int | None
+    network: int | None = None
+    """pid of the process holding this pool's network namespace (`Network`), which its ranks join;
+    None: they share the machine's (not root, or namespaces not allowed here)"""
 
     @property
     def home(self) -> Path:
@@ -112,7 +115,8 @@ class Private:
             if uid is not None and sub in ("home", "tmp"):
                 os.chown(root / sub, uid, gid)
         os.chmod(root, 0o711)
-        return cls(root, uid, gid)
+        network = Network.start(root) if uid is not None else None
+        return cls(root, uid, gid, network)
 
     def output(self, name: str, src: Path | None) -> Path:
         """A new folder in out/ for one output of a run, holding a copy of `src`'s files (the grader's,
@@ -127,7 +131,74 @@ class Private:
         return folder
 
     def remove(self) -> None:
+        Network.stop(self.root)
         shutil.rmtree(self.root, ignore_errors=True)  # never follows a link the sandbox left in it
+
+
+# [Note: a network of the pool's own]
+# The ranks of one sandboxed pool talk to each other over TCP on 127.0.0.1 (their TCPStore and gloo).
+# On the machine's own loopback they could equally reach the trusted pool's store and gloo ports, which
+# take no password: a rank under test could join the trusted ranks' rendezvous (every new process group
+# FSDP2's mesh makes goes through it) and feed FSDP2's collectives its own bytes, which the FSDP2 store
+# would then hand every later submission. So a sandboxed pool gets a network namespace of its own that
+# holds only a loopback: a small process (root's, started here) unshares it and waits; each rank joins
+# it (setns, while still root) before it drops to the sandbox user, so its 127.0.0.1 is the pool's alone.
+# Where namespaces are not allowed (a container without CAP_SYS_ADMIN), one line on stderr says so and
+# the ranks keep the machine's loopback; the README says what that leaves open.
+
+_NETWORK_HOLDER = r"""
+import ctypes, fcntl, socket, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
+    print(f"unshare(CLONE_NEWNET) failed: errno {ctypes.get_errno()}", flush=True)
+    sys.exit(1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH14x", fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0)))[1]  # SIOCGIFFLAGS
+fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 1))  # SIOCSIFFLAGS: IFF_UP
+print("ready", flush=True)
+sys.stdin.read()  # until the pool closes (or the grader is gone)
+"""
+
+
+class Network:
+    """The network namespace of one sandboxed pool ([Note: a network of the pool's own])."""
+
+    _holders: dict[Path, subprocess.Popen] = {}
+    _said = False
+
+    @classmethod
+    def start(cls, root: Path) -> int | None:
+        """pid of a new namespace's holder process, or None (said once) where one cannot be made."""
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _NETWORK_HOLDER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={"PATH": os.defpath})
+        line = proc.stdout.readline().strip()
+        if line != "ready":
+            proc.kill()
+            proc.wait()
+            if not cls._said:
+                cls._said = True
+                print(f"sandbox: no network namespace of their own for the ranks under test ({line or 'no answer'}): "
+                      "they share this machine's loopback with the grader's FSDP2 ranks", file=sys.stderr, flush=True)
+            return None
+        cls._holders[root] = proc
+        return proc.pid
+
+    @classmethod
+    def stop(cls, root: Path) -> None:
+        if (proc := cls._holders.pop(root, None)) is not None:
+            proc.kill()
+            proc.wait()
+
+    @staticmethod
+    def join(pid: int) -> None:
+        """In a rank, while still root: enter the pool's namespace."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                raise SandboxError(f"could not join the pool's network namespace: errno {ctypes.get_errno()}")
+        finally:
+            os.close(fd)
 
 
 def reachable() -> None:
@@ -163,6 +234,8 @@ def enter(private: Private) -> None:
     good, with the private HOME and TMPDIR. Not root: nothing changes (the student's own run)."""
     if private.uid is None:
         return
+    if private.network is not None:
+        Network.join(private.network)
     os.setgroups([])
     os.setgid(private.gid)
     os.setuid(private.uid)

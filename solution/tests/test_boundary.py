@@ -119,6 +119,17 @@ def background_job() -> int:
     return int(os.read(r, 32))
 
 
+def connect_job(port: int) -> bool:
+    """Whether this rank can open a TCP connection to 127.0.0.1:port (the trusted pool's store, say)."""
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
 def plant_job(cfg) -> int:
     """Writes a trace, a link to a file it may not read, and a link out of its folder."""
     folder = Path(cfg.traces_dir)
@@ -228,6 +239,23 @@ def test_sandboxed_ranks_run_unprivileged(ranks, tmp_path):
         identity.tmp.startswith(str(ranks.sandboxed.private.root)), identity
     assert sorted(identity.refused) == sorted(reads + writes), identity
     assert digest_tree(*protected(), private) == before
+
+
+@as_root
+def test_sandboxed_ranks_cannot_reach_the_graders_loopback(ranks):
+    """[Note: a network of the pool's own]: a port the grader listens on (as the trusted pool's TCPStore
+    and gloo do) is out of reach of the ranks under test, which still reach each other (the job's
+    process group works); a pool without the boundary reaches it (the control)."""
+    import socket
+
+    if ranks.sandboxed.private.network is None:
+        pytest.skip("network namespaces are not allowed on this machine (the stderr line says why)")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert ranks.sandboxed.run(connect_job, port, timeout=60) == [False, False]
+        with RankPool(2, role="own") as own:
+            assert own.run(connect_job, port, timeout=60) == [True, True]
+    checks.check_forward(ranks, str(SOLUTION), "float32", "float32")  # collectives within the namespace
 
 
 @as_root
