@@ -1287,7 +1287,7 @@ def _check_modules(modules: list[nn.Module], unsupported: dict[str, Any]) -> Non
         raise RuntimeError("fully_shard needs a process group: call dist.init_process_group first")
 
 
-# What to use instead of each FSDP2 argument this FSDP refuses (README, instructors' section).
+# What to use instead of each FSDP2 argument this FSDP refuses (each is a second layout or communication pattern).
 _REFUSED = {
     "ignored_params": "every parameter of the modules passed is sharded. Keep those parameters out of the "
                       "modules you pass (e.g. fully_shard the submodules without them), or use "

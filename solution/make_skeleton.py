@@ -2,12 +2,12 @@
 
     uv run python -m solution.make_skeleton            # rewrite fsdp.py
     uv run python -m solution.make_skeleton --check    # exit 1 if fsdp.py is out of date
-    uv run python -m solution.make_skeleton --stats    # lines per task, for the README
+    uv run python -m solution.make_skeleton --stats    # lines per task, for docs/instructors.md
 
 In the solution, each piece of the exercise sits between two comment lines:
 
     # region task1: the piece to write, in a few words
-    # what it must achieve and why (at most two lines; README's Hints hold the facts)
+    # what it must achieve and why (at most two lines; the README's Hints hold the facts)
     ...the reference code...
     # else: code the student file runs instead (optional, one line each)
     # endregion
@@ -165,7 +165,7 @@ def line_counts(solution: str) -> dict[str, tuple[int, int]]:
 
 
 def stats_table(solution: str) -> str:
-    """The README's instructor table: what each task asks the student to write."""
+    """docs/instructors.md's table: what each task asks the student to write."""
     counts = line_counts(solution)
     rows = ["| task | regions | lines the student writes (reference) |", "| --- | --- | --- |"]
     rows += [f"| {tag} | {k} | {n} |" for tag, (n, k) in counts.items() if tag != "given"]
@@ -181,7 +181,7 @@ class Args:
     check: bool = False
     """write nothing; fail when the committed fsdp.py is not what would be written."""
     stats: bool = False
-    """print the README's table of what each task asks the student to write, and nothing else."""
+    """print docs/instructors.md's table of what each task asks the student to write, and nothing else."""
 
 
 def main(args: Args) -> None:

@@ -6,8 +6,10 @@
 DEST becomes a git repository with one commit holding the tracked files of this checkout as
 they are in the working tree, except:
   * solution/ (the reference, the skeleton generator, the instructors' tests);
+  * docs/instructors.md, the instructors' page;
   * pyproject.toml's instructor settings (pytest's `--impl solution/fsdp.py`, solution/tests);
-  * README.md's section between `<!-- instructors -->` and `<!-- /instructors -->`.
+  * README.md's part between `<!-- instructors -->` and `<!-- /instructors -->` (the line that
+    links the instructors' page, which the student repository does not have).
 uv.lock is copied byte for byte, so students install exactly what the tests here ran on.
 The release refuses to run when fsdp.py is not what the generator makes from the reference,
 and fails if anything it wrote still names solution/.
@@ -41,6 +43,7 @@ PYPROJECT_EDITS = [
      'addopts = "-ra --impl solution/fsdp.py"\n', 'addopts = "-ra"\n'),
     ('testpaths = ["test.py", "harness/tests", "solution/tests"]', 'testpaths = ["test.py", "harness/tests"]'),
 ]
+INSTRUCTORS_PAGE = "docs/instructors.md"
 MENTIONS = re.compile(r"solution[/.]|make_skeleton|<!-- /?instructors -->")
 GRADESCOPE = ROOT / "solution" / "gradescope"  # setup.sh and run_autograder
 BUNDLE_REPOSITORY = "repository"  # the student repository's folder in the Gradescope bundle
@@ -62,7 +65,8 @@ def transform(path: str, text: str) -> str:
     """A file's text as the student repository has it."""
     if path == "README.md":
         if not INSTRUCTORS.search(text):
-            raise ReleaseError("README.md has no `<!-- instructors -->` ... `<!-- /instructors -->` section to remove")
+            raise ReleaseError("README.md has no `<!-- instructors -->` ... `<!-- /instructors -->` part to remove "
+                               f"(the link to {INSTRUCTORS_PAGE}, which the student repository does not have)")
         return INSTRUCTORS.sub("\n", text)
     if path == "pyproject.toml":
         for old, new in PYPROJECT_EDITS:
@@ -81,7 +85,8 @@ def release(dest: Path) -> list[str]:
     if (ROOT / "fsdp.py").read_text() != make_skeleton.skeleton(solution):
         raise ReleaseError("fsdp.py is not the skeleton of solution/fsdp.py: run `uv run python -m "
                            "solution.make_skeleton`, commit, and release again")
-    files = [f for f in tracked_files() if not f.startswith("solution/") and (ROOT / f).is_file()]
+    files = [f for f in tracked_files()
+             if not f.startswith("solution/") and f != INSTRUCTORS_PAGE and (ROOT / f).is_file()]
     leaks = []
     for f in files:
         data = (ROOT / f).read_bytes()
@@ -133,8 +138,8 @@ def gradescope(dest: Path) -> list[str]:
 @dataclass(frozen=True)
 class Args:
     """Write the student repository: everything tracked here except what students must not have
-    (solution/, the instructor settings and README section), as a new git repository; or, with
-    `gradescope`, Gradescope's autograder bundle holding it."""
+    (solution/, the instructors' page and settings, the README's link to that page), as a new git
+    repository; or, with `gradescope`, Gradescope's autograder bundle holding it."""
 
     what: Annotated[Literal["repo", "gradescope"], tyro.conf.Positional] = "repo"
     """repo: the student repository (a folder); gradescope: the autograder bundle (a .zip)."""

@@ -1,5 +1,5 @@
 """The repository's shape: the student's top level, train.py's size, no import cycles, and two floors:
-the runtime (harness/) never imports the tools above it (harness/tools/), and the README says which is which."""
+the runtime (harness/) never imports the tools above it (harness/tools/), and docs/measuring.md says which is which."""
 
 from __future__ import annotations
 
@@ -139,14 +139,14 @@ def test_runtime_is_what_train_py_stands_on():
 
 
 def test_readme_table_is_the_layout():
-    """The README's repository table names every module of each floor, and nothing else."""
+    """docs/measuring.md's table of the harness names every module of each floor, and nothing else."""
     import re
 
     _, runtime, tools = floors()
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "measuring.md").read_text()
     for folder, modules in (("harness/", runtime), ("harness/tools/", tools)):
-        row = next((line for line in readme.splitlines() if line.startswith(f"| `{folder}` |")), None)
-        assert row, f"README has no row for {folder}"
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{folder}` |")), None)
+        assert row, f"docs/measuring.md has no row for {folder}"
         named = set(re.findall(r"`([a-z_][a-z0-9_]*)`", row.split("|")[2]))
         actual = {m.rsplit(".", 1)[1] for m in modules}
-        assert named == actual, f"README's {folder} row: missing {sorted(actual - named)}, extra {sorted(named - actual)}"
+        assert named == actual, f"docs/measuring.md's {folder} row: missing {sorted(actual - named)}, extra {sorted(named - actual)}"

@@ -101,16 +101,18 @@ def test_a_skip_is_never_a_failure(tmp_path):
     assert "task 3           - / 2   not graded: 1 of its 2 cases skipped: all else passed" in proc.stdout, proc.stdout
 
 
-def test_readme_table_is_the_points_table():
-    """The README's points table lists the lines of harness/tools/points.py, in order, with their
-    points and tests: the table is defined once, and the README follows it."""
-    readme = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| ([a-z0-9 ]+): (\d+) \| (.*?) \|", readme, re.M)
+@pytest.mark.parametrize("page", ["README.md", "docs/grading.md"])
+def test_readme_table_is_the_points_table(page):
+    """The points tables (the README's short one, the grading page's in full) list the lines of
+    harness/tools/points.py, in order, with their points and tests: the table is defined once, and
+    the pages follow it."""
+    text = (ROOT / page).read_text()
+    rows = re.findall(r"^\| ([a-z0-9 ]+): (\d+) \| (.*?) \|", text, re.M)
     assert [(name, int(n)) for name, n, _ in rows] == [(line.name, line.points) for line in points.LINES], rows
     for (_, _, tests), line in zip(rows, points.LINES):
         for test in line.tests:
             assert f"`{test}[" in tests or f"`{test}`" in tests, (line.name, test, tests)
-    assert f"total           {points.TOTAL} / {points.TOTAL}" in readme
+    assert f"total           {points.TOTAL} / {points.TOTAL}" in text
 
 
 def test_earned_exits_zero_only_for_a_line_earned_in_full(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """Peak memory of initialisation per rank (meta-device init or not), next to harness/fit.py's
-estimate of the sharded state: the numbers the README's Training features section quotes."""
+estimate of the sharded state: the numbers docs/measuring.md's Training features section quotes."""
 
 from __future__ import annotations
 

@@ -11,19 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from harness.tests import test_docs
 from harness.tools.points import TOTAL
 from solution import release
 from solution.release import ReleaseError
 from solution.tests import test_classroom as classroom
 
 ROOT = release.ROOT
-STUDENT_TOP_LEVEL = {".ci", ".github", ".gitignore", ".python-version", ".vscode", "README.md", "conftest.py", "fsdp.py",
+STUDENT_TOP_LEVEL = {".ci", ".github", ".gitignore", ".python-version", ".vscode", "README.md", "conftest.py", "docs", "fsdp.py",
                      "harness", "pyproject.toml", "snapshots", "test.py", "traces", "train.py", "uv.lock"}
 
 
 # harness tests whose subject is the student's checkout itself: its files, commands, data, the
 # handout's command and the points table (with the skeleton as the file under test there)
-STUDENT_CHECKOUT_TESTS = ("test_layout", "test_cli", "test_assets", "test_handout", "test_points")
+STUDENT_CHECKOUT_TESTS = ("test_layout", "test_cli", "test_assets", "test_handout", "test_points", "test_docs")
 
 
 def uv() -> list[str]:
@@ -79,7 +80,12 @@ def test_student_repository_has_only_the_students_files(student_repo):
     assert (student_repo / "uv.lock").read_bytes() == (ROOT / "uv.lock").read_bytes()
     assert (student_repo / "fsdp.py").read_text() == (ROOT / "fsdp.py").read_text()
     readme = (student_repo / "README.md").read_text()
-    assert "For instructors" in (ROOT / "README.md").read_text() and "For instructors" not in readme
+    # the instructors' page stays here, and so does the README's line that links it
+    assert (ROOT / release.INSTRUCTORS_PAGE).is_file() and "instructors.md" in (ROOT / "README.md").read_text()
+    assert {p.name for p in (student_repo / "docs").iterdir()} == {"grading.md", "measuring.md"}
+    assert "instructors.md" not in readme
+    for page in test_docs.pages(student_repo):
+        assert not (dead := test_docs.dead_links(page, page.read_text())), (page.name, dead)
     for path in student_repo.rglob("*"):
         if path.is_file() and ".git" not in path.parts and path.name != "uv.lock":
             text = path.read_text()

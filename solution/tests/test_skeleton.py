@@ -93,11 +93,11 @@ def test_tasks_1_to_3_without_bonuses_pass_the_task_tests(pool2, tmp_path):
     checks.check_step(pool2, str(tasks_only), "float32", "float32")
 
 
-def test_readme_table_of_lines_per_task_is_current():
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("<!-- stats -->\n", 1)[1].split("\n<!-- /stats -->", 1)[0]
+def test_instructors_table_of_lines_per_task_is_current():
+    page = (ROOT / "docs" / "instructors.md").read_text()
+    table = page.split("<!-- stats -->\n", 1)[1].split("\n<!-- /stats -->", 1)[0]
     assert table == make_skeleton.stats_table(make_skeleton.SOLUTION.read_text()), (
-        "README's table of lines per task is stale: paste `uv run python -m solution.make_skeleton --stats`")
+        "docs/instructors.md's table of lines per task is stale: paste `uv run python -m solution.make_skeleton --stats`")
 
 
 def test_hints_say_what_in_two_lines_and_todos_stop_with_one():
