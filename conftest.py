@@ -19,14 +19,14 @@ def pytest_addoption(parser):
                      help="keep tasks 2 and 3's profiled traces in DIR/profiles and each memory check's peaks in "
                           "DIR/memory.json, and draw DIR/overlap.png and DIR/memory.png at the end")
     parser.addoption("--fsdp2-cache", choices=("on", "off", "refresh"), default=None,
-                     help="FSDP2's side of each check from harness/tools/fsdp2_cache.py: on (the default, or "
+                     help="FSDP2's side of each check from harness/tools/grading/fsdp2_cache.py: on (the default, or "
                           "the FSDP2_CACHE environment variable), off (always train FSDP2), refresh (train and store)")
 
 
 def pytest_configure(config):
     import os
 
-    from harness.tools.points import MARKERS
+    from harness.tools.submissions.points import MARKERS
 
     if cache := config.getoption("--fsdp2-cache"):
         os.environ["FSDP2_CACHE"] = cache  # read where FSDP2's results are looked up, in this process
@@ -47,7 +47,7 @@ def pytest_collection(session):
     with the test that ran it."""
     if session.config.option.collectonly:
         return
-    from harness.tools.ranks import start_forkserver
+    from harness.tools.grading.ranks import start_forkserver
 
     capture = session.config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
@@ -91,7 +91,8 @@ def pytest_sessionstart(session):
         return
     from pathlib import Path
 
-    from harness.tools import checks, pictures
+    from harness.tools.grading import checks
+    from harness.tools.traces import pictures
 
     folder = Path(folder).resolve()
     pictures.clear_artifacts(folder)
@@ -113,7 +114,8 @@ def pytest_sessionfinish(session):
         return
     from pathlib import Path
 
-    from harness.tools import checks, pictures
+    from harness.tools.grading import checks
+    from harness.tools.traces import pictures
 
     checks.memory_seen = None
     # Why the hand-written FSDP's profiled run left no trace, if tasks 2 and 3 failed in their fixture.
@@ -196,7 +198,7 @@ def _skip_reason(report) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from harness.tools import points
+    from harness.tools.submissions import points
 
     if not config._points:
         return
@@ -212,7 +214,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def _pool(world_size: int):
     """One world size's trusted (FSDP2) and sandboxed (the file under test) pools, each started when
     first used (with FSDP2's side stored, the trusted one often never is)."""
-    from harness.tools.ranks import Ranks
+    from harness.tools.grading.ranks import Ranks
 
     with Ranks(world_size, device="cpu") as ranks:
         yield ranks

@@ -6,13 +6,13 @@
     uv run pytest test.py -k "world3 and bfloat16"   # one world size or precision case
     uv run pytest test.py --impl path/to/fsdp.py     # any other file (default: fsdp.py)
 
-Each test earns part of one line of the handout's points table (harness/tools/points.py); a line's
+Each test earns part of one line of the handout's points table (harness/tools/submissions/points.py); a line's
 points need all its tests to pass. The header names the file under test.
 """
 
 import pytest
 
-from harness.tools import checks, handwritten, policy
+from harness.tools.grading import checks, handwritten, policy
 
 CASES = [pytest.param(w, p, r, id=f"world{w}-{p}-{r}") for w in (2, 3) for p, r in policy.PRECISIONS] + \
     [pytest.param(2, p, r, id=f"world2-{p}-{r}") for p, r in policy.UNSET_PRECISIONS]

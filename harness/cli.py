@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 def parse(args_type: type[T], argv: Sequence[str] | None = None, *, prog: str) -> T:
     """tyro.cli(args_type) on argv (default: sys.argv[1:]); prog: the command as the help shows it
-    (`python -m harness.tools.grade`, not the file's path, which is what `python -m` would show).
+    (`python -m harness.tools.submissions.grade`, not the file's path, which is what `python -m` would show).
 
     A dataclass with a `pytest_args` field (suppressed from the flags) gets everything after the
     first `--` there, unparsed: tyro would otherwise read `-k expr` as its own flags."""

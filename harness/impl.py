@@ -51,7 +51,7 @@ _REFUSED: str | None = None
 
 def refuse_files(reason: str) -> None:
     """From now on this process imports no file under test (`load` raises, saying `reason`): a rank
-    whose results the grader trusts (harness/tools/ranks.py) runs FSDP2 only."""
+    whose results the grader trusts (harness/tools/grading/ranks.py) runs FSDP2 only."""
     global _REFUSED
     _REFUSED = reason
 

@@ -1,8 +1,8 @@
 """The analytic model of what FSDP holds and sends per rank, from the parameter shapes alone.
 
 One model for every user: the fit estimate before a run (harness/fit.py), the writeup report's
-analytic columns and checks (harness/tools/report.py), and the margin of the graded memory check
-(`reduce_scatter_input_bytes`, read by the memory job in harness/tools/jobs.py).
+analytic columns and checks (harness/tools/lab/report.py), and the margin of the graded memory check
+(`reduce_scatter_input_bytes`, read by the memory job in harness/tools/grading/jobs.py).
 
 FSDP groups the parameters as train.apply_fsdp wraps them: each block (`layers.i`) and the root
 (everything else). Every parameter is split by rows as torch.chunk splits them (Shard(0),
@@ -19,7 +19,10 @@ import torch
 from torch import nn
 
 from harness import model_setup
-from harness.trace import ROOT_GROUP
+
+ROOT_GROUP = "<root>"
+"""The FSDP group of the parameters outside the blocks, as the model names its groups and the trace
+reader (harness/tools/traces/trace.py) names the root's unnamed `FSDP::` ranges."""
 
 Shape = tuple[int, ...]
 Groups = dict[str, list[Shape]]

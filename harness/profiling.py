@@ -82,7 +82,7 @@ _PICKLE_PROTOCOL = 4
 
 CPU_SNAPSHOT_NOTE = ("CPU snapshot built from the profiler's allocator events: allocations only. Frees done "
                      "on gloo's threads are not recorded, so its peak is not the process's; for peak memory "
-                     "use peak RSS with --exact-cpu-memory (train.py) or harness.tools.report's timeline.")
+                     "use peak RSS with --exact-cpu-memory (train.py) or harness.tools.lab.report's timeline.")
 _cpu_profiler_quiet = False
 
 

@@ -1,4 +1,4 @@
-"""The trace analyses (harness/trace.py, collectives.py, schedule.py, memory_analysis.py and the
+"""The trace analyses (harness/tools/traces/trace.py, collectives.py, schedule.py, memory_analysis.py and the
 analysis CLI): on real CPU traces of FSDP2, and on small synthetic traces."""
 
 import json
@@ -10,8 +10,9 @@ import pytest
 
 import train
 from harness import profiling
-from harness.tools import analysis, collectives, memory_analysis, policy, schedule
-from harness.trace import KINDS, length, overlap, union
+from harness.tools.traces import analysis, collectives, memory_analysis, schedule
+from harness.tools.grading import policy
+from harness.tools.traces.trace import KINDS, length, overlap, union
 
 MiB = 1 << 20
 

@@ -1,10 +1,10 @@
-"""harness.tools.benchmark end to end on a tiny setting: it runs, interleaves, and prints its table.
+"""harness.tools.lab.benchmark end to end on a tiny setting: it runs, interleaves, and prints its table.
 
 The figures themselves are not asserted (they depend on the machine); that each row has them is."""
 
 import re
 
-from harness.tools import benchmark
+from harness.tools.lab import benchmark
 from harness.tests.test_platform import skip_unfinished
 
 

@@ -18,17 +18,17 @@ from harness.errors import BAD_INPUT
 # module -> whether it takes the FSDP under test (then as --impl)
 TOOLS = {
     "train": True,
-    "harness.tools.analysis": False,
+    "harness.tools.traces.analysis": False,
     "harness.assets": False,
-    "harness.tools.benchmark": True,
-    "harness.tools.grade": False,  # its submissions are many files: a positional folder, not --impl
-    "harness.tools.handin": True,
-    "harness.tools.gradescope": False,  # Gradescope's submission: a fixed place, not --impl
-    "harness.tools.points": False,  # a points table already written, not a file under test
-    "harness.tools.init_memory": True,
-    "harness.tools.pictures": False,
-    "harness.tools.report": True,
-    "harness.tools.similarity": False,  # a folder of submissions, as grade
+    "harness.tools.lab.benchmark": True,
+    "harness.tools.submissions.grade": False,  # its submissions are many files: a positional folder, not --impl
+    "harness.tools.submissions.handin": True,
+    "harness.tools.submissions.gradescope": False,  # Gradescope's submission: a fixed place, not --impl
+    "harness.tools.submissions.points": False,  # a points table already written, not a file under test
+    "harness.tools.lab.init_memory": True,
+    "harness.tools.traces.pictures": False,
+    "harness.tools.lab.report": True,
+    "harness.tools.submissions.similarity": False,  # a folder of submissions, as grade
 }
 # names the shared flags replaced: each must not come back
 RETIRED = {"--output", "--world"}
@@ -49,7 +49,7 @@ def tool_help(module: str, monkeypatch, capsys) -> str:
 
 def assert_shared_flags(module: str, text: str, takes_impl: bool) -> None:
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
-    assert f"python -m {module}" in text or module in ("train", "harness.tools.init_memory"), text[:300]
+    assert f"python -m {module}" in text or module in ("train", "harness.tools.lab.init_memory"), text[:300]
     assert not flags & RETIRED, f"{module} still names {flags & RETIRED}"
     # one-letter aliases only where every command has them: -h alone
     shorts = set(re.findall(r"^\W*(-[A-Za-z]),? --", text, re.M))
@@ -68,7 +68,7 @@ def test_help_uses_the_shared_flags(module, monkeypatch, capsys):
 
 
 def test_arguments_after_a_double_dash_go_to_pytest(tmp_path):
-    from harness.tools import grade, handin
+    from harness.tools.submissions import grade, handin
 
     args = cli.parse(grade.Args, [str(tmp_path), "--out", "p.csv", "--", "-k", "forward", "--", "-x"], prog="grade")
     assert args.pytest_args == ("-k", "forward", "--", "-x") and str(args.out) == "p.csv"
@@ -76,7 +76,7 @@ def test_arguments_after_a_double_dash_go_to_pytest(tmp_path):
 
 
 def test_bad_input_stops_with_one_error_line(tmp_path, capsys):
-    from harness.tools import grade
+    from harness.tools.submissions import grade
 
     with pytest.raises(SystemExit) as e:
         grade.cli([str(tmp_path / "missing.txt")])

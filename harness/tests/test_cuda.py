@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import train
-from harness.tools import analysis, checks, policy
+from harness.tools.traces import analysis
+from harness.tools.grading import checks, policy
 from harness.tests.test_platform import skip_unfinished
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ def cuda_pool(request):
     world = request.param
     if gpus() < world:
         pytest.skip(f"needs {world} CUDA GPU(s), found {gpus()}")
-    from harness.tools.ranks import RankPool
+    from harness.tools.grading.ranks import RankPool
 
     with RankPool(world, device="cuda") as pool:
         yield pool

@@ -147,7 +147,7 @@ def test_readme_links_each_other_page_from_one_line():
 
 def test_every_module_the_pages_run_answers_help():
     modules = list(dict.fromkeys(m for page in pages() for m in modules_named(page.read_text())))
-    assert "harness.tools.handin" in modules, modules  # the README's hand-in command: the pattern finds it
+    assert "harness.tools.submissions.handin" in modules, modules  # the README's hand-in command: the pattern finds it
     assert not (problems := help_problems(modules)), "\n\n".join(problems.values())
 
 
@@ -177,10 +177,10 @@ def test_dead_links_finds_a_missing_file_and_a_missing_heading(tmp_path):
 
 
 def test_modules_named_reads_wrapped_commands_and_skips_placeholders():
-    text = ("`uv run python -m harness.tools.grade submissions/` and `uv run python -m\nharness.tools.pictures a b`;\n"
-            "`uv run torchrun --nproc-per-node W -m harness.tools.init_memory --model 1b`; "
-            "`uv run python -m harness.tools.<tool> --help`; again `python -m harness.tools.grade`")
-    assert modules_named(text) == ["harness.tools.grade", "harness.tools.pictures", "harness.tools.init_memory"]
+    text = ("`uv run python -m harness.tools.submissions.grade submissions/` and `uv run python -m\nharness.tools.traces.pictures a b`;\n"
+            "`uv run torchrun --nproc-per-node W -m harness.tools.lab.init_memory --model 1b`; "
+            "`uv run python -m harness.tools.<tool> --help`; again `python -m harness.tools.submissions.grade`")
+    assert modules_named(text) == ["harness.tools.submissions.grade", "harness.tools.traces.pictures", "harness.tools.lab.init_memory"]
 
 
 def test_help_problems_names_a_missing_module_and_a_failing_help(tmp_path):

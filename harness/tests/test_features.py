@@ -20,10 +20,10 @@ from torch import nn
 
 import train
 from harness import assets, checkpoint, fit, model_setup
-from harness.tools import checks, compare, jobs, policy
+from harness.tools.grading import checks, compare, jobs, policy
 from harness.distributed import current_device
 from harness.errors import ConfigError
-from harness.tools.ranks import RankError, Ranks
+from harness.tools.grading.ranks import RankError, Ranks
 from harness.tests.test_platform import skip_unfinished
 
 

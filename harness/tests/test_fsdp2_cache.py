@@ -1,4 +1,4 @@
-"""harness/tools/fsdp2_cache.py: a stored FSDP2 result is the one a fresh run gives, is used only under
+"""harness/tools/grading/fsdp2_cache.py: a stored FSDP2 result is the one a fresh run gives, is used only under
 its exact key and signature, and anything else is recomputed."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from harness import assets
-from harness.tools import checks, fsdp2_cache
-from harness.tools.analysis import analyze_run
-from harness.tools.jobs import forward_job, memory_job, odd_shapes_job, train_job
-from harness.tools.policy import LATE_BUFFERS, as_fsdp2, config
+from harness.tools.grading import checks, fsdp2_cache
+from harness.tools.traces.analysis import analyze_run
+from harness.tools.grading.jobs import forward_job, memory_job, odd_shapes_job, train_job
+from harness.tools.grading.policy import LATE_BUFFERS, as_fsdp2, config
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ def test_another_config_misses(changed):
 def test_case_parts_miss():
     job = Job()
     base = parts()
-    for other in (dict(base, world_size=3), dict(base, threads=2), dict(base, job="harness.tools.jobs.forward_job")):
+    for other in (dict(base, world_size=3), dict(base, threads=2), dict(base, job="harness.tools.grading.jobs.forward_job")):
         fsdp2_cache.get("train", base, job)
         fsdp2_cache.get("train", other, job)
     assert job.calls == 4  # the base once, each other case once
@@ -99,7 +99,7 @@ def test_a_changed_code_byte_misses(tmp_path, monkeypatch):
         fsdp2_cache.get("train", parts(), job)
         fsdp2_cache.get("train", parts(), job)
         assert job.calls == 1
-        jobs = root / "harness" / "tools" / "jobs.py"
+        jobs = root / "harness" / "tools" / "grading" / "jobs.py"
         jobs.write_bytes(jobs.read_bytes() + b"\n")
         fsdp2_cache.environment.cache_clear()
         fsdp2_cache.get("train", parts(), job)

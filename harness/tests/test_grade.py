@@ -1,10 +1,10 @@
-"""harness.tools.grade: a folder of submissions -> one CSV row each; a broken one costs only its row."""
+"""harness.tools.submissions.grade: a folder of submissions -> one CSV row each; a broken one costs only its row."""
 
 import csv
 
 import pytest
 
-from harness.tools import grade, inert
+from harness.tools.submissions import grade, inert
 
 
 def test_grade_folder(tmp_path):

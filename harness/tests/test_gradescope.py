@@ -1,4 +1,4 @@
-"""harness.tools.gradescope: results.json as Gradescope reads it, whatever the submission (or the tool)
+"""harness.tools.submissions.gradescope: results.json as Gradescope reads it, whatever the submission (or the tool)
 does. These run no graded tests (grade() is replaced); the instructors' tests grade real files
 through the whole bundle."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from harness.tools import gradescope
-from harness.tools.points import LINES, TOTAL
+from harness.tools.submissions import gradescope
+from harness.tools.submissions.points import LINES, TOTAL
 
 TEST_KEYS = {"name", "score", "max_score", "status", "output", "output_format", "visibility"}
 FORMATS = {"output_format": "text", "test_output_format": "text", "test_name_format": "text"}

@@ -1,11 +1,11 @@
-"""harness.tools.handin: one command writes the points table and the profiled runs into one folder."""
+"""harness.tools.submissions.handin: one command writes the points table and the profiled runs into one folder."""
 
 from pathlib import Path
 
 import pytest
 
 from harness.impl import task1_undone
-from harness.tools import handin
+from harness.tools.submissions import handin
 
 ROOT = Path(__file__).resolve().parents[2]
 SKELETON_UNDONE = task1_undone(ROOT / "fsdp.py")

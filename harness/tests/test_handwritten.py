@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tools import handwritten
+from harness.tools.grading import handwritten
 
 # What a student may reasonably write next to a hand-written FSDP.
 HONEST = {

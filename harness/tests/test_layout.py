@@ -72,13 +72,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles():
     modules = project_modules()
     graph = {name: imports(path, name, modules) for name, path in modules.items()}
-    assert graph["train"] and "harness.tools.ranks" in graph["harness.tools.checks"], "the import graph was not read"
+    assert graph["train"] and "harness.tools.grading.ranks" in graph["harness.tools.grading.checks"], "the import graph was not read"
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def test_find_cycle_finds_one():
-    assert find_cycle({"train": {"harness.tools.ranks"}, "harness.tools.ranks": {"train"}}) == ["harness.tools.ranks", "train", "harness.tools.ranks"]
+    assert find_cycle({"train": {"harness.tools.grading.ranks"}, "harness.tools.grading.ranks": {"train"}}) == ["harness.tools.grading.ranks", "train", "harness.tools.grading.ranks"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
@@ -122,8 +122,8 @@ def test_no_upward_edge():
 
 
 def test_upward_edge_is_found():
-    graph = {"harness.fit": {"harness.tools.checks"}, "train": {"harness.fit"}}
-    assert upward_edges(graph, {"harness.fit", "train"}) == ["harness.fit -> harness.tools.checks"]
+    graph = {"harness.fit": {"harness.tools.grading.checks"}, "train": {"harness.fit"}}
+    assert upward_edges(graph, {"harness.fit", "train"}) == ["harness.fit -> harness.tools.grading.checks"]
 
 
 def test_runtime_is_what_train_py_stands_on():
@@ -138,15 +138,34 @@ def test_runtime_is_what_train_py_stands_on():
     assert not (extra := sorted(runtime - reached - {RUNTIME})), f"train.py does not use {extra}: move them to harness/tools/"
 
 
+PACKAGES = ("grading", "traces", "lab", "submissions")  # harness/tools/'s packages
+
+
+def test_tools_are_four_packages():
+    """harness/tools/ holds its packages and its __init__.py, and no module loose beside them."""
+    here = ROOT / "harness" / "tools"
+    entries = {p.name for p in here.iterdir() if p.name != "__pycache__"}
+    assert entries == {"__init__.py", *PACKAGES}, f"harness/tools/ holds {sorted(entries)}: put each tool in one of {PACKAGES}"
+    for package in PACKAGES:
+        assert (here / package / "__init__.py").is_file(), f"harness/tools/{package}/ has no __init__.py"
+        assert not [p for p in (here / package).iterdir() if p.is_dir() and p.name != "__pycache__"], \
+            f"harness/tools/{package}/ holds a folder: the packages are one level deep"
+
+
 def test_readme_table_is_the_layout():
-    """docs/measuring.md's table of the harness names every module of each floor, and nothing else."""
+    """docs/measuring.md's table of the harness names every module of the runtime and of each tools
+    package, and nothing else."""
     import re
 
     _, runtime, tools = floors()
     page = (ROOT / "docs" / "measuring.md").read_text()
-    for folder, modules in (("harness/", runtime), ("harness/tools/", tools)):
+    rows = [("harness/", runtime)] + [(f"harness/tools/{p}/", {m for m in tools if m.startswith(f"{TOOLS}.{p}.")}) for p in PACKAGES]
+    assert any(line.startswith("| `harness/tools/` |") for line in page.splitlines()), "docs/measuring.md has no row for harness/tools/"
+    for folder, modules in rows:
+        assert modules, f"no module found in {folder}"
         row = next((line for line in page.splitlines() if line.startswith(f"| `{folder}` |")), None)
         assert row, f"docs/measuring.md has no row for {folder}"
         named = set(re.findall(r"`([a-z_][a-z0-9_]*)`", row.split("|")[2]))
         actual = {m.rsplit(".", 1)[1] for m in modules}
         assert named == actual, f"docs/measuring.md's {folder} row: missing {sorted(actual - named)}, extra {sorted(named - actual)}"
+

@@ -1,4 +1,4 @@
-"""harness.tools.pictures: the overlap picture and the memory plot, checked on what they drew (the
+"""harness.tools.traces.pictures: the overlap picture and the memory plot, checked on what they drew (the
 bars and lines the functions return), from a real profiled run of FSDP2; and `pytest --artifacts`."""
 
 import struct
@@ -10,7 +10,8 @@ import pytest
 
 import train
 from harness.impl import task1_undone
-from harness.tools import pictures, policy
+from harness.tools.traces import pictures
+from harness.tools.grading import policy
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS = ["<root>"] + [f"layers.{i}" for i in range(6)]  # the debug model: the root, then 6 blocks
@@ -133,7 +134,7 @@ def test_pytest_artifacts_with_the_skeleton(tmp_path):
 
 
 def test_cli_draws_train_py_traces_and_refuses_a_folder_without_them(fsdp2_traces, tmp_path, capsys):
-    """`python -m harness.tools.pictures traces/fsdp2 traces/effdl`, as the README gives it (FSDP2's
+    """`python -m harness.tools.traces.pictures traces/fsdp2 traces/effdl`, as the README gives it (FSDP2's
     traces on both sides here), and a folder train.py did not profile into: one error line, exit 2."""
     out = tmp_path / "overlap.png"
     pictures.cli([str(fsdp2_traces), str(fsdp2_traces), "--out", str(out)])

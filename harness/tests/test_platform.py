@@ -24,9 +24,9 @@ import torch
 import torch.multiprocessing as mp
 
 from harness import compat, distributed, memory
-from harness.tools import analysis, collectives
+from harness.tools.traces import analysis, collectives
 from harness.errors import ConfigError
-from harness.tools.ranks import PRELOAD, start_method
+from harness.tools.grading.ranks import PRELOAD, start_method
 
 ROOT = Path(__file__).resolve().parents[2]
 DARWIN = {**os.environ, compat.SIMULATE: "darwin", "COLUMNS": "200"}
@@ -175,7 +175,7 @@ def test_platform_paths(simulate):
 import sys, torch
 import train
 from harness import compat, fit, memory
-from harness.tools import report
+from harness.tools.lab import report
 import torchtitan.models.llama3
 stub = getattr(sys.modules[compat.KERNELS], "__harness_stub__", False)
 try:
@@ -317,8 +317,8 @@ def test_graded_checks_under_simulated_macos(impl):
     explicitly) in ranks that take every non-Linux path: the memory check compares peaks there too."""
     skip_unfinished(impl)
     code = f"""
-from harness.tools import checks
-from harness.tools.ranks import Ranks
+from harness.tools.grading import checks
+from harness.tools.grading.ranks import Ranks
 from harness.tests.test_platform import ranks_platform
 with Ranks(2) as pool:
     print("ranks", pool.trusted.run(ranks_platform))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tools import points
+from harness.tools.submissions import points
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,7 @@ def test_a_skip_is_never_a_failure(tmp_path):
 @pytest.mark.parametrize("page", ["README.md", "docs/grading.md"])
 def test_readme_table_is_the_points_table(page):
     """The points tables (the README's short one, the grading page's in full) list the lines of
-    harness/tools/points.py, in order, with their points and tests: the table is defined once, and
+    harness/tools/submissions/points.py, in order, with their points and tests: the table is defined once, and
     the pages follow it."""
     text = (ROOT / page).read_text()
     rows = re.findall(r"^\| ([a-z0-9 ]+): (\d+) \| (.*?) \|", text, re.M)
@@ -116,7 +116,7 @@ def test_readme_table_is_the_points_table(page):
 
 
 def test_earned_exits_zero_only_for_a_line_earned_in_full(tmp_path, capsys):
-    """`python -m harness.tools.points --earned LINE FILE`: what each GitHub Classroom grader step runs."""
+    """`python -m harness.tools.submissions.points --earned LINE FILE`: what each GitHub Classroom grader step runs."""
     rows, _ = table(tmp_path)
     out = str(tmp_path / "points.json")
     points.cli(["--earned", "task 1 forward", out])  # earned: returns, exit 0

@@ -1,4 +1,4 @@
-"""harness.tools.report: the quick report end to end, and its checks against doctored numbers."""
+"""harness.tools.lab.report: the quick report end to end, and its checks against doctored numbers."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch.optim.optimizer as optim_hooks
 
 import train
 from harness import fit, memory_model, model_setup
-from harness.tools import report, report_jobs
+from harness.tools.lab import report, report_jobs
 from harness import impl as impl_module
 from harness.memory_model import PerRank
-from harness.tools.report_results import (
+from harness.tools.lab.report_results import (
     Environment, MemoryRow, Parts, Report, Reshard, StepTime, Volume, check, timing_warnings,
 )
 from harness.errors import ConfigError
@@ -161,7 +161,7 @@ def test_model_overrides():
 def test_quick_report_end_to_end(impl, tmp_path):
     skip_unfinished(impl)
     path = impl_module.impl_path(impl)
-    proc = subprocess.run([sys.executable, "-m", "harness.tools.report", "--impl", str(path), "--quick", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "harness.tools.lab.report", "--impl", str(path), "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[12/12]" in proc.stdout  # the progress display ran to the end

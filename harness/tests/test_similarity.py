@@ -1,4 +1,4 @@
-"""harness.tools.similarity: FSDP2's source pasted in under new names is flagged; the skeleton's given
+"""harness.tools.submissions.similarity: FSDP2's source pasted in under new names is flagged; the skeleton's given
 code never counts. The cases that need the reference solution sit with the instructors' tests.
 
 Every case is built here from the skeleton and the installed FSDP2, nothing is committed: a copy is
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.tools import grade, handwritten, similarity
-from harness.tools.similarity import FSDP2, SKELETON, check
+from harness.tools.submissions import grade, similarity
+from harness.tools.grading import handwritten
+from harness.tools.submissions.similarity import FSDP2, SKELETON, check
 
 # A student's copy of the repository has their work in fsdp.py: these cases need the unfilled skeleton.
 needs_skeleton = pytest.mark.skipif(not similarity.is_skeleton(SKELETON.read_text()), reason="fsdp.py is not the skeleton")
@@ -238,7 +239,7 @@ def test_page_shows_the_submissions_text_as_text(tmp_path):
 
 
 def test_code_block_fence_outlasts_the_code():
-    from harness.tools import inert
+    from harness.tools.submissions import inert
 
     assert inert.code_block("x = 1") == "```python\nx = 1\n```"
     assert inert.code_block("a = '`````'") == "``````python\na = '`````'\n``````"

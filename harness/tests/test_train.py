@@ -26,8 +26,8 @@ from harness import distributed, impl, model_setup
 from harness.distributed import free_port
 from harness.errors import ConfigError
 from harness.tests.test_platform import show
-from harness.tools import jobs, policy
-from harness.tools.ranks import RankError, RankPool
+from harness.tools.grading import jobs, policy
+from harness.tools.grading.ranks import RankError, RankPool
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = "${workspaceFolder}/.venv/bin/python"

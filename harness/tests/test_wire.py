@@ -1,4 +1,4 @@
-"""harness.tools.wire: a sandboxed rank's result crosses as data, decoded against the job's declared
+"""harness.tools.grading.wire: a sandboxed rank's result crosses as data, decoded against the job's declared
 type; anything else is refused, saying what was wrong and where."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train
-from harness.tools import jobs, wire
+from harness.tools.grading import jobs, wire
 
 
 def run_job() -> jobs.Run: ...

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu with python3):
 # uv, the locked environment, the data and tokenizer the tests train on, and FSDP2's side of every
-# graded check (harness/tools/fsdp2_cache.py), which is the same for every submission.
+# graded check (harness/tools/grading/fsdp2_cache.py), which is the same for every submission.
 set -euo pipefail
 cd "$(dirname "$0")/repository"
 export PATH="/usr/local/bin:$HOME/.local/bin:$PATH"
@@ -13,7 +13,7 @@ if ! command -v uv >/dev/null 2>&1; then
 fi
 uv sync --frozen
 uv run --frozen python -m harness.assets
-# The submission's rank processes run as this unprivileged user (harness/tools/sandbox.py): they can
+# The submission's rank processes run as this unprivileged user (harness/tools/grading/sandbox.py): they can
 # read the code and data, but not FSDP2's stored side and its secret, nor write the repository or
 # /autograder/results.
 id -u fsdp-sandbox >/dev/null 2>&1 || useradd --system --user-group --no-create-home --home-dir /nonexistent \

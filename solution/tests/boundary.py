@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from harness.tools import sandbox
+from harness.tools.grading import sandbox
 
 
 def digest_tree(*roots: Path) -> dict[str, str]:

@@ -20,9 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import train
-from harness.tools import checks, jobs
-from harness.tools.compare import tensor_difference
-from harness.tools.ranks import RankPool
+from harness.tools.grading import checks, jobs
+from harness.tools.grading.compare import tensor_difference
+from harness.tools.grading.ranks import RankPool
 
 VOCAB, DIM = 19, 12  # 19 rows (embedding, output layer): uneven shards on 2, 3 and 4 ranks, some padded
 

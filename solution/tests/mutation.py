@@ -5,7 +5,7 @@ mutant says in one line what it breaks. The mutant test files pick them by name 
 from pathlib import Path
 
 from solution import make_skeleton
-from harness.tools import handwritten
+from harness.tools.grading import handwritten
 
 # name: [(snippet in solution/fsdp.py, its replacement), ...]; every snippet must occur there once
 # The FSDPState hooks the reference keeps out of compiled graphs (torch.compiler.disable).
@@ -119,7 +119,7 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
 }
 
 # Doors a student might try to reach FSDP2 or the checks, each a whole file: the source check
-# (harness/tools/handwritten.py) must refuse every one.
+# (harness/tools/grading/handwritten.py) must refuse every one.
 CHEATS: dict[str, str] = {
     # FSDP2 re-exported under the names train.py calls.
     "reexport": "from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard\n",
@@ -140,7 +140,7 @@ CHEATS: dict[str, str] = {
     # FSDP2 under its older composable path.
     "composable": "from torch.distributed._composable.fsdp import fully_shard\n",
     # The graded checks patched to pass.
-    "patch-checks": "import harness.tools.checks\nharness.tools.checks.check_step = lambda *a, **k: 'ok'\n",
+    "patch-checks": "import harness.tools.grading.checks\nharness.tools.grading.checks.check_step = lambda *a, **k: 'ok'\n",
     # Another module's globals walked to reach what it imported.
     "globals-walk": "import torch\ng = torch.nn.Module.__init__.__globals__\n",
     # The caller's frame (the checks) reached through a traceback.
@@ -153,8 +153,8 @@ CHEATS: dict[str, str] = {
 
 
 # --------------------------------------------------------------------------- the process boundary
-# Hostile files that attack the grader from the ranks that import them (harness/tools/ranks.py's
-# sandboxed pools, harness/tools/sandbox.py). The source check refuses each before anything runs; the
+# Hostile files that attack the grader from the ranks that import them (harness/tools/grading/ranks.py's
+# sandboxed pools, harness/tools/grading/sandbox.py). The source check refuses each before anything runs; the
 # boundary tests (harness/tests/test_boundary.py) also import them into sandboxed ranks with the
 # source check bypassed, where the process and user boundary alone must hold. Each is a stub FSDP
 # that runs its attack when imported (`BOUNDARY_STUB` gives train.py the names it calls).
@@ -186,7 +186,7 @@ from multiprocessing.connection import Connection
 
 class Passed:
     def __reduce__(self):
-        return (exec, ("import harness.tools.checks as c\n"
+        return (exec, ("import harness.tools.grading.checks as c\n"
                        "for n in dir(c):\n"
                        "    if n.startswith('check_'): setattr(c, n, lambda *a, **k: 'passed')\n",))
 
@@ -204,7 +204,7 @@ import hashlib
 import hmac
 import pickle
 
-from harness.tools import fsdp2_cache
+from harness.tools.grading import fsdp2_cache
 
 try:
     where = fsdp2_cache.folder()
@@ -222,7 +222,7 @@ except (OSError, ValueError) as e:
 """,
     # The runtime detectors switched off from inside the rank, then FSDP2 itself as the FSDP.
     "detectors-off-fsdp2": r"""
-from harness.tools import handwritten, jobs
+from harness.tools.grading import handwritten, jobs
 
 handwritten.model_problem = handwritten.module_problem = handwritten.stack_problem = lambda *a, **k: None
 _dispatch = jobs.CommLog.__torch_dispatch__
@@ -251,7 +251,7 @@ import harness
 root = Path(harness.__file__).resolve().parents[1]
 forged = json.dumps({"score": 13, "output": "forged", "tests": []})
 targets = [Path(os.environ.get("AUTOGRADER_ROOT", "/autograder")) / "results" / "results.json",
-           root / "test.py", root / "harness" / "tools" / "checks.py", root / ".cache" / "fsdp2" / "forged.entry"]
+           root / "test.py", root / "harness" / "tools" / "grading" / "checks.py", root / ".cache" / "fsdp2" / "forged.entry"]
 for pid in os.listdir("/proc"):
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -286,7 +286,7 @@ if os.fork() == 0:
 CHEATS.update(BOUNDARY_CHEATS)
 
 # A file holding register_fsdp_forward_method exactly as given ([Note: the one lookup by a run-time
-# name] in harness/tools/handwritten.py), with what its guard needs; cheats below bend what is around it.
+# name] in harness/tools/grading/handwritten.py), with what its guard needs; cheats below bend what is around it.
 _GIVEN_LOOKUP = """import functools
 from typing import Any
 
@@ -299,7 +299,7 @@ class FSDPModule:
 
 """ + handwritten.GIVEN_LOOKUP
 
-# The source check's allowlist (harness/tools/handwritten.py) against doors a list of refused names
+# The source check's allowlist (harness/tools/grading/handwritten.py) against doors a list of refused names
 # left open: each file is refused before any rank runs, with the words of SOURCE_REFUSALS[name].
 SOURCE_CHEATS: dict[str, str] = {
     # A private torch function that unpickles, reached by defining its name as the file's own.

@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.tools import checks, handwritten, jobs, policy, sandbox
-from harness.tools.ranks import RankError, RankPool, Ranks, Refused
+from harness.tools.grading import checks, handwritten, jobs, policy, sandbox
+from harness.tools.grading.ranks import RankError, RankPool, Ranks, Refused
 from solution.tests.boundary import digest_tree, sandbox_processes
 from solution.tests.mutation import write_mutant
 
@@ -230,7 +230,7 @@ def test_sandboxed_ranks_run_unprivileged(ranks, tmp_path):
     store = Path(os.environ.get("FSDP2_CACHE_DIR") or ROOT / ".cache" / "fsdp2")
     checks.run_fsdp2(ranks, jobs.forward_job, policy.config())  # the store holds a secret and an entry
     reads = [str(store / "secret"), *map(str, store.glob("*.entry")), str(private)]
-    writes = [*reads, str(ROOT / "test.py"), str(ROOT / "harness" / "tools" / "checks.py"), str(store / "forged.entry")]
+    writes = [*reads, str(ROOT / "test.py"), str(ROOT / "harness" / "tools" / "grading" / "checks.py"), str(store / "forged.entry")]
     before = digest_tree(*protected(), private)
     identity = ranks.sandboxed.run(identity_job, reads, writes, timeout=60)[0]
     uid, gid = sandbox.account()

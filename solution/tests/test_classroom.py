@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.tools.points import LINES
+from harness.tools.submissions.points import LINES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "classroom.yml"
@@ -45,7 +45,7 @@ def check(doc: dict) -> None:
     grading = graders(doc)
     assert [(s["with"]["test-name"], s["with"]["max-score"]) for s in grading] == [(l.name, l.points) for l in LINES]
     for s, line in zip(grading, LINES):
-        assert s["with"]["command"] == f'uv run python -m harness.tools.points --earned "{line.name}" points.json', s
+        assert s["with"]["command"] == f'uv run python -m harness.tools.submissions.points --earned "{line.name}" points.json', s
         assert all_steps.index(s) > all_steps.index(suite), f"{line.name} is graded before the tests ran"
     ids = [s["id"] for s in grading]
     assert len(set(ids)) == len(ids), ids

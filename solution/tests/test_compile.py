@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import train
-from harness.tools import checks, compare, jobs, policy
-from harness.tools.ranks import RankError
+from harness.tools.grading import checks, compare, jobs, policy
+from harness.tools.grading.ranks import RankError
 from solution import make_skeleton
 from solution.tests.mutation import COMPILED_HOOKS, write_mutant
 

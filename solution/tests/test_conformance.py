@@ -7,7 +7,7 @@ is the same either way round, with three the order in which gloo adds them chang
 
 import pytest
 
-from harness.tools.policy import PRECISIONS
+from harness.tools.grading.policy import PRECISIONS
 from solution import make_skeleton
 from solution.tests import conformance
 

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.tools.schedule import WAIT_RANGE
-from harness.trace import GROUP_RANGE
+from harness.tools.traces.schedule import WAIT_RANGE
+from harness.tools.traces.trace import GROUP_RANGE
 from solution import fsdp
 
 ISSUED = [fsdp.ALL_GATHER_RANGE, fsdp.REDUCE_SCATTER_RANGE]

@@ -8,9 +8,9 @@ bfloat16 where precision matters. The pools are shared by the whole module.
 import pytest
 import torch
 
-from harness.tools import checks
-from harness.tools.compare import tensor_difference
-from harness.tools.ranks import RankPool
+from harness.tools.grading import checks
+from harness.tools.grading.compare import tensor_difference
+from harness.tools.grading.ranks import RankPool
 from solution import make_skeleton
 from solution.tests import dropin
 

@@ -4,8 +4,8 @@ solution/tests/mutation.py). Each mutant's snippet must still be in solution/fsd
 
 import pytest
 
-from harness.tools import checks, jobs
-from harness.tools.ranks import RankError
+from harness.tools.grading import checks, jobs
+from harness.tools.grading.ranks import RankError
 from harness.tests import test_features as features
 from solution.tests.mutation import write_mutant
 

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from harness.tests.test_gradescope import assert_gradescope_format
-from harness.tools.points import LINES, TOTAL
+from harness.tools.submissions.points import LINES, TOTAL
 from solution import make_skeleton, release
 from solution.release import ReleaseError
 from solution.tests.boundary import digest_tree, sandbox_processes

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.tools import checks, handwritten, jobs, policy
-from harness.tools.points import LINES
-from harness.tools.ranks import RankError
+from harness.tools.grading import checks, handwritten, jobs, policy
+from harness.tools.submissions.points import LINES
+from harness.tools.grading.ranks import RankError
 from solution.tests.mutation import CHEATS, SOURCE_CHEATS, SOURCE_REFUSALS, write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]

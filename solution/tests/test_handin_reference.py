@@ -1,8 +1,8 @@
-"""harness.tools.handin on the reference: the points table and both profiled runs, nothing failed."""
+"""harness.tools.submissions.handin on the reference: the points table and both profiled runs, nothing failed."""
 
 import json
 
-from harness.tools import handin
+from harness.tools.submissions import handin
 
 
 def test_handin_writes_points_traces_and_snapshots(tmp_path):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.tools import checks, fsdp2_cache
-from harness.tools.ranks import RankError
+from harness.tools.grading import checks, fsdp2_cache
+from harness.tools.grading.ranks import RankError
 from solution import make_skeleton
 from solution.tests import conformance
 from solution.tests.mutation import MUTANTS, write_mutant

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from harness.tests.test_pictures import assert_drawn, png_size
-from harness.tools import checks, pictures
+from harness.tools.grading import checks
+from harness.tools.traces import pictures
 from solution.tests.mutation import write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,11 +2,11 @@
 
 import pytest
 
-from harness.tools import analysis
+from harness.tools.traces import analysis
 from harness.tests.test_analysis import (
     FSDP2_MAX_HIDDEN, assert_counts, assert_every_collective_found_running, assert_memory, profiled_run,
 )
-from harness.trace import KINDS, ROOT_GROUP
+from harness.tools.traces.trace import KINDS, ROOT_GROUP
 
 # The reference prefetches all-gathers and leaves reduce-scatters in flight. Over 9 runs on a
 # busy 2-core machine (mean of 2 ranks x 2 steps) it hid 0.30-0.58 of its forward all-gathers

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.tests import test_docs
-from harness.tools.points import TOTAL
+from harness.tools.submissions.points import TOTAL
 from solution import release
 from solution.release import ReleaseError
 from solution.tests import test_classroom as classroom
@@ -62,7 +62,7 @@ def share_store(repo: Path) -> None:
     who built both on one machine would: the key holds no path and no pyproject.toml, so the
     released repository's graded runs find FSDP2's side already computed by this session's test.py
     instead of training FSDP2 in every case again. A missing store is simply computed there."""
-    from harness.tools import fsdp2_cache
+    from harness.tools.grading import fsdp2_cache
 
     if fsdp2_cache.folder().is_dir():
         shutil.copytree(fsdp2_cache.folder(), repo / ".cache" / "fsdp2", symlinks=False)

@@ -1,4 +1,4 @@
-"""harness.tools.similarity on the reference: a renamed, re-spaced copy of it is flagged; the reference
+"""harness.tools.submissions.similarity on the reference: a renamed, re-spaced copy of it is flagged; the reference
 and an independently written correct solution of the same TODOs (variant_fsdp.py) are not, against
 each other nor against FSDP2.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from harness.tests.test_similarity import fsdp2_pasted, rename, score
-from harness.tools import similarity
-from harness.tools.similarity import FSDP2, SKELETON, check
+from harness.tools.submissions import similarity
+from harness.tools.submissions.similarity import FSDP2, SKELETON, check
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE, VARIANT = ROOT / "solution" / "fsdp.py", ROOT / "solution" / "tests" / "variant_fsdp.py"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from harness.tools import checks
+from harness.tools.grading import checks
 from solution import make_skeleton
 from solution.make_skeleton import SkeletonError, render
 

@@ -4,7 +4,7 @@ drop-in for fully_shard, so by hand they give what FSDP2's give."""
 import pytest
 import torch
 
-from harness.tools import checks, compare
+from harness.tools.grading import checks, compare
 from solution import make_skeleton
 from solution.tests import conformance
 

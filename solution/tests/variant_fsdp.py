@@ -53,9 +53,9 @@ from torch.profiler import record_function
 __all__ = ["MixedPrecisionPolicy", "FSDPModule", "fully_shard"]
 
 # The grader reads these profiler ranges, named `FSDP::<phase> (<group>)` by FSDPGroup.label: a group's
-# collective is issued inside ALL_GATHER_RANGE / REDUCE_SCATTER_RANGE (harness/trace.py GROUP_RANGE) and
+# collective is issued inside ALL_GATHER_RANGE / REDUCE_SCATTER_RANGE (harness/tools/traces/trace.py GROUP_RANGE) and
 # waited inside ALL_GATHER_WAIT_RANGE / REDUCE_SCATTER_WAIT_RANGE / REDUCE_SCATTER_DONE_RANGE
-# (harness/tools/schedule.py WAIT_RANGE); compute inside any `FSDP::` range does not count as overlap.
+# (harness/tools/traces/schedule.py WAIT_RANGE); compute inside any `FSDP::` range does not count as overlap.
 # Renamed, tasks 2 and 3 fail: the checks no longer see the overlap.
 ALL_GATHER_RANGE = "all_gather"
 REDUCE_SCATTER_RANGE = "post_backward_reduce"

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 import train
-from harness.tools.jobs import Run
+from harness.tools.grading.jobs import Run
 
 
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str:

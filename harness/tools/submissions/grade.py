@@ -1,11 +1,11 @@
 """Grade submissions: one file or a folder of them -> one CSV row each (points per task).
 
-    uv run python -m harness.tools.grade submissions/ --out points.csv
-    uv run python -m harness.tools.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
+    uv run python -m harness.tools.submissions.grade submissions/ --out points.csv
+    uv run python -m harness.tools.submissions.grade alice_fsdp.py -- -m task1     # arguments after -- go to pytest
 
 Each row also says how close the submission's own code comes to FSDP2's source or to another
 submission of the folder (`similar_to`, `similarity`, `similar_lines`, `flagged`: see
-harness.tools.similarity), and similarity.md beside the CSV shows the closest pairs side by side.
+harness.tools.submissions.similarity), and similarity.md beside the CSV shows the closest pairs side by side.
 
 Each submission runs `pytest test.py --impl FILE` in its own process group with a time limit, so
 one that hangs or crashes costs only its own row. Its pictures (`pytest --artifacts`: overlap.png,
@@ -32,10 +32,11 @@ import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
-from harness.tools import inert, sandbox, similarity
-from harness.tools.points import LINES
+from harness.tools.submissions import inert, similarity
+from harness.tools.grading import sandbox
+from harness.tools.submissions.points import LINES
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/grade.py
+ROOT = Path(__file__).resolve().parents[3]  # the repository: harness/tools/submissions/grade.py
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.tools.grade"))
+    main(parse(Args, argv, prog="python -m harness.tools.submissions.grade"))
 
 
 if __name__ == "__main__":

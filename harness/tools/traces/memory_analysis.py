@@ -1,6 +1,6 @@
 """Memory of one rank per phase and per step: its memory snapshot (`profiling.memory_timeline`,
 bytes allocated since recording started) read against the phase ranges of the same rank's trace
-(harness/trace.py).
+(harness/tools/traces/trace.py).
 
 CPU snapshots carry the trace's `ts` as `time_us`; CUDA ones carry unix time, which is
 `ts + baseTimeNanoseconds / 1000`. CPU numbers are relative to the start of profiling: frees of
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import profiling
-from harness.trace import ITEMSIZE, Interval, Trace
+from harness.tools.traces.trace import ITEMSIZE, Interval, Trace
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Speed, memory and overlap of the hand-written FSDP against FSDP2, in one interleaved run.
 
-    uv run python -m harness.tools.benchmark                       # debug model, seq 256 and 1024: every GPU, else 2 CPU ranks
-    uv run python -m harness.tools.benchmark --device cpu          # 2 CPU ranks, gloo, even on a machine with GPUs
-    uv run python -m harness.tools.benchmark --impl student --seq-lens 256
+    uv run python -m harness.tools.lab.benchmark                       # debug model, seq 256 and 1024: every GPU, else 2 CPU ranks
+    uv run python -m harness.tools.lab.benchmark --device cpu          # 2 CPU ranks, gloo, even on a machine with GPUs
+    uv run python -m harness.tools.lab.benchmark --impl student --seq-lens 256
 
 For each sequence length, FSDP2 and the hand-written FSDP alternate (A B, B A, A B, ...), each
 run on fresh ranks (on CPU forked from the same preloaded image), so drifting machine load and what a
@@ -13,7 +13,7 @@ process accumulated hit both alike. Reported as ratios hand-written / FSDP2 of t
     from separate runs with --exact-cpu-memory (slower, so not used for the step times); where
     that is unavailable (macOS) the speed runs' peak since the rank started, baseline included;
   * hidden: the fraction of all-gather / reduce-scatter time that ran while compute ran, from
-    one profiled run each (harness/tools/collectives.py).
+    one profiled run each (harness/tools/traces/collectives.py).
 Targets: step time <= 0.95 on CPU (FSDP2 overlaps nothing there), <= 1.02 on CUDA; memory <= 1.00.
 """
 
@@ -28,10 +28,10 @@ from typing import Literal
 
 import train
 from harness import impl, memory
-from harness.tools import analysis
+from harness.tools.traces import analysis
 from harness.cli import parse
 from harness.distributed import pool_device
-from harness.tools.ranks import RankPool, run_tool
+from harness.tools.grading.ranks import RankPool, run_tool
 
 TARGETS = {"cpu": 0.95, "cuda": 1.02}
 
@@ -131,7 +131,7 @@ def main(args: Args) -> int:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    run_tool(main, parse(Args, argv, prog="python -m harness.tools.benchmark"), "the benchmark")
+    run_tool(main, parse(Args, argv, prog="python -m harness.tools.lab.benchmark"), "the benchmark")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ The trust boundary: a pool has one role, for its whole life.
   (harness.impl.refuse_files), so nothing a submission did can be in a process whose results
   the grader keeps (the FSDP2 store) or unpickles.
 - "sandboxed": the file under test. Its ranks become the unprivileged sandbox user when the grader
-  is root (harness/tools/sandbox.py), before any job runs, and send results as data only
-  (harness/tools/wire.py: JSON and safetensors, decoded against the job's return annotation, with
+  is root (harness/tools/grading/sandbox.py), before any job runs, and send results as data only
+  (harness/tools/grading/wire.py: JSON and safetensors, decoded against the job's return annotation, with
   a size cap), each rank on its own pipe, so the rank a result is from is never taken from the
   message. What its runs write (traces, snapshots, checkpoints) goes to the sandbox's own folder
   and is copied back as plain files. When it closes, `sandbox.sweep` kills what its ranks left.
@@ -101,7 +101,7 @@ TRUSTED_ONLY = ("this rank trains FSDP2 for the grader (a trusted pool): a file 
 def _worker(role: str, rank: int, world_size: int, port: int, device: str, threads: int, conn, private) -> None:
     # Become the sandbox user first: in the target, after multiprocessing rebuilt what it was handed
     # (this connection), before any job (a file under test) is unpickled or imported.
-    from harness.tools import wire
+    from harness.tools.grading import wire
 
     data = role == "sandboxed"
 
@@ -118,7 +118,7 @@ def _worker(role: str, rank: int, world_size: int, port: int, device: str, threa
 
     try:
         if data:
-            from harness.tools import sandbox
+            from harness.tools.grading import sandbox
 
             sandbox.enter(private)
         elif role == "trusted":
@@ -178,7 +178,7 @@ class RankPool:
         self.private = None
         if role == "sandboxed":
             from harness import assets
-            from harness.tools import sandbox
+            from harness.tools.grading import sandbox
 
             assets.ensure(impl.ROOT)  # the data and tokenizer, which a sandboxed rank cannot write
             self.private = sandbox.Private.make()
@@ -209,7 +209,7 @@ class RankPool:
         if self._procs is None:
             raise RankError("the rank pool was shut down after an earlier failure; start a new one")
         if self.role == "sandboxed":
-            from harness.tools import wire
+            from harness.tools.grading import wire
 
             wire.result_type(fn)  # refused here, before it runs, if it declares no result type
             staged, args = self._stage(args)
@@ -230,7 +230,7 @@ class RankPool:
             if self.role == "sandboxed" and self._procs is not None:
                 self._unstage(staged)
         if self.role == "sandboxed":
-            from harness.tools.fsdp2_cache import rebase
+            from harness.tools.grading.fsdp2_cache import rebase
 
             for inside, outside in staged:
                 results = [rebase(r, inside, outside) for r in results]
@@ -276,7 +276,7 @@ class RankPool:
     def _unstage(self, staged: list[tuple[Path, Path]]) -> None:
         import shutil
 
-        from harness.tools import sandbox
+        from harness.tools.grading import sandbox
 
         for inside, outside in staged:
             if inside.is_dir() and inside.is_relative_to(self.private.out):
@@ -285,7 +285,7 @@ class RankPool:
 
     def _receive(self, conn, rank: int, fn) -> tuple[int, str, Any, str]:
         """One message from `rank`: (job, status, value, traceback). Refused if it is not one."""
-        from harness.tools import wire
+        from harness.tools.grading import wire
 
         if self.role != "sandboxed":
             return pickle.loads(conn.recv_bytes())  # a trusted rank, which ran no file under test
@@ -368,7 +368,7 @@ class RankPool:
         for p in self._procs:
             p.join(timeout=10)
         if self.role == "sandboxed":
-            from harness.tools import sandbox
+            from harness.tools.grading import sandbox
 
             # the ranks still running, and whatever they started that outlived them
             sandbox.sweep([p.pid for p in self._procs if p.is_alive()])

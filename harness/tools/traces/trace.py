@@ -1,7 +1,7 @@
 """A rank's chrome trace (what `train.py --profile-steps` writes) read into what the analyses use:
 its profiled steps and phases, the c10d ops that issued collectives, FSDP's group ranges, and
-interval arithmetic over them. The analyses: harness/tools/collectives.py (counts, hidden time),
-harness/tools/schedule.py (the overlap the graded checks judge), harness/tools/memory_analysis.py.
+interval arithmetic over them. The analyses: harness/tools/traces/collectives.py (counts, hidden time),
+harness/tools/traces/schedule.py (the overlap the graded checks judge), harness/tools/traces/memory_analysis.py.
 
 A collective is *counted* once per c10d dispatcher op, on whichever thread issued it (the main
 thread, with the `ProfilerStep#N` ranges; on CUDA backward hooks run on autograd's device thread):
@@ -20,6 +20,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from harness.memory_model import ROOT_GROUP  # the root group's name, the runtime's memory model's too
+
 PHASES = ("forward", "backward", "optimizer")
 OTHER = "other"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -36,7 +38,6 @@ STEP = re.compile(r"^ProfilerStep#(\d+)$")
 # FSDP's profiler ranges around a group's collectives (FSDP2's names, which the hand-written FSDP
 # shares): `FSDP::all_gather (layers.3)`; the root's group has no name in parentheses.
 GROUP_RANGE = re.compile(r"^FSDP::(?:all_gather|post_backward_reduce)(?: \((?P<fqn>.*)\))?$")
-ROOT_GROUP = "<root>"
 ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "int": 4, "long int": 8,
             "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 

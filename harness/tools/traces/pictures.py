@@ -1,12 +1,12 @@
 """Pictures of a run: FSDP's collectives against compute (overlap.png), and peak memory per step (memory.png).
 
-    uv run python -m harness.tools.pictures traces/fsdp2 traces/effdl --out overlap.png
+    uv run python -m harness.tools.traces.pictures traces/fsdp2 traces/effdl --out overlap.png
 
 `overlap_png`: one profiled step of one rank, FSDP2 above the hand-written FSDP, on one time axis
 (milliseconds from each step's start). One row per FSDP group (the root, then each block, in forward
 order), and in each row:
   * the group's compute: aten ops outside FSDP's own ranges and c10d ops (what the graded overlap
-    check counts as compute, harness/tools/schedule.py), inside the group's `FSDP::pre_forward` ..
+    check counts as compute, harness/tools/traces/schedule.py), inside the group's `FSDP::pre_forward` ..
     `post_forward` (forward) or `pre_backward` .. `post_backward` (backward) and no inner group's
     (on CUDA the CPU side: when the ops were launched);
   * its all-gathers (upper half of the row) and reduce-scatters (lower half, hatched) as bars from
@@ -35,9 +35,9 @@ import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
-from harness.tools.collectives import work_intervals
-from harness.tools.schedule import must_overlap, schedule
-from harness.trace import ROOT_GROUP, Trace, inside, union
+from harness.tools.traces.collectives import work_intervals
+from harness.tools.traces.schedule import must_overlap, schedule
+from harness.tools.traces.trace import ROOT_GROUP, Trace, inside, union
 
 MiB = 2**20
 # A group's forward and backward windows, FSDP2's range names (the hand-written FSDP shares them).
@@ -415,7 +415,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.tools.pictures"))
+    main(parse(Args, argv, prog="python -m harness.tools.traces.pictures"))
 
 
 if __name__ == "__main__":

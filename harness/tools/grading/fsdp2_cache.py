@@ -37,7 +37,7 @@ an altered, truncated or unreadable one, or one whose stored files are missing o
 used. The payload is a pickle, unpickled only after the HMAC verifies and then only into what FSDP2's
 results are made of (`_Unpickler`), so even a forged entry could not run anything. The folder is its
 owner's alone (0700): where the grader is root, the ranks of a file under test run as an
-unprivileged user (harness/tools/sandbox.py), which can neither read the secret nor write an entry;
+unprivileged user (harness/tools/grading/sandbox.py), which can neither read the secret nor write an entry;
 on a student's own machine the secret is the student's. What is stored is computed on trusted ranks,
 which never import a file under test (ranks.RankPool's roles; checks.run_fsdp2). A failed store only prints why. Stored files (traces) live beside the entries as zlib blobs named by the
 SHA-256 of their content, which the entry lists and a load checks. Every write is a temporary file
@@ -70,7 +70,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/fsdp2_cache.py
+ROOT = Path(__file__).resolve().parents[3]  # the repository: harness/tools/grading/fsdp2_cache.py
 FORMAT = b"FSDP2-CACHE 1\n"
 MODES = ("on", "off", "refresh")
 SOURCES = ("train.py", "uv.lock")
@@ -175,7 +175,7 @@ def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 def _private(where: Path) -> None:
     """The folder itself, made or kept its owner's alone (0700): the ranks of a file under test run as
-    another user when the grader is root (harness/tools/sandbox.py), and must neither read the secret
+    another user when the grader is root (harness/tools/grading/sandbox.py), and must neither read the secret
     nor write an entry."""
     where.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = where.stat()

@@ -2,8 +2,8 @@
 compared token by token after normalising names, against FSDP2's source and against every other
 submission of the batch.
 
-    uv run python -m harness.tools.similarity submissions/ --out similarity.md   # fast: runs no test
-    uv run python -m harness.tools.grade submissions/ --out points.csv           # adds its CSV columns
+    uv run python -m harness.tools.submissions.similarity submissions/ --out similarity.md   # fast: runs no test
+    uv run python -m harness.tools.submissions.grade submissions/ --out points.csv           # adds its CSV columns
 
 handwritten.py stops a submission that imports FSDP2; this catches the one door it leaves open,
 FSDP2's source pasted in under new names. How:
@@ -43,9 +43,9 @@ import tyro
 
 from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
-from harness.tools import inert
+from harness.tools.submissions import inert
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/similarity.py
+ROOT = Path(__file__).resolve().parents[3]  # the repository: harness/tools/submissions/similarity.py
 SKELETON = ROOT / "fsdp.py"
 FSDP2 = "FSDP2"  # the name FSDP2's source goes by in the CSV and on the page
 
@@ -327,7 +327,7 @@ def read_skeleton(path: Path) -> str:
     if not is_skeleton(text):
         stop(f"{path} is not the unfilled skeleton (its TODO(task1)s no longer all raise), and the skeleton's "
              "given code is what similarity leaves out of each submission: put the skeleton back in place "
-             "(`git stash` the work in it) or give it with `python -m harness.tools.similarity --skeleton`",
+             "(`git stash` the work in it) or give it with `python -m harness.tools.submissions.similarity --skeleton`",
              BAD_INPUT)
     return text
 
@@ -337,7 +337,7 @@ def check(paths: list[Path], skeleton: Path = SKELETON, attributes: str = ATTRIB
     the unfilled skeleton nothing is compared (each submission says why): grading goes on."""
     given = skeleton.read_text() if skeleton.is_file() else ""
     if not is_skeleton(given):
-        why = f"not compared: {skeleton} is not the unfilled skeleton (see harness.tools.similarity --skeleton)"
+        why = f"not compared: {skeleton} is not the unfilled skeleton (see harness.tools.submissions.similarity --skeleton)"
         return Batch([Code(p.name, error=why) for p in paths], [])
     codes = [submission_code(p, given, attributes) for p in paths]
     fsdp2 = fsdp2_code(attributes)
@@ -356,7 +356,7 @@ def _excerpt(files: dict[str, list[str]], where: tuple[str, int, int], lines: in
 
 def page(batch: Batch, paths: list[Path]) -> str:
     """The markdown page: the closest pairs, their scores, line ranges and an excerpt of each side.
-    File names, errors and excerpts are the submissions' text, shown as text (harness.tools.inert)."""
+    File names, errors and excerpts are the submissions' text, shown as text (harness.tools.submissions.inert)."""
     md = inert.markdown_text
     files = {p.name: p.read_text(errors="replace").splitlines() for p in paths}
     files |= {os.path.join("_fully_shard", f.name): s.splitlines() for f, s in fsdp2_sources().items()}
@@ -428,7 +428,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.tools.similarity"))
+    main(parse(Args, argv, prog="python -m harness.tools.submissions.similarity"))
 
 
 if __name__ == "__main__":

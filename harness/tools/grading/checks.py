@@ -16,13 +16,13 @@ import dataclasses
 import torch
 
 import train
-from harness.tools import fsdp2_cache, handwritten
-from harness.tools.analysis import RunStats, analyze_run
-from harness.tools.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
+from harness.tools.grading import fsdp2_cache, handwritten
+from harness.tools.traces.analysis import RunStats, analyze_run
+from harness.tools.grading.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
                                    tensor_difference, ulps)
-from harness.tools.jobs import Run, forward_job, memory_job, odd_shapes_job, shard_job, train_job
-from harness.tools.policy import HSDP, LATE_BUFFERS, MODES, OVERLAP, PRECISIONS, as_fsdp2, config, describe, mode_flags
-from harness.tools.ranks import RankError, RankPool, Ranks
+from harness.tools.grading.jobs import Run, forward_job, memory_job, odd_shapes_job, shard_job, train_job
+from harness.tools.grading.policy import HSDP, LATE_BUFFERS, MODES, OVERLAP, PRECISIONS, as_fsdp2, config, describe, mode_flags
+from harness.tools.grading.ranks import RankError, RankPool, Ranks
 
 
 # --------------------------------------------------------------------------- running both
@@ -309,7 +309,7 @@ def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduc
     groups = len({s.group for s in profiles.fsdp2.scheduled if s.kind == "all_gather"})
     if not groups:
         raise RuntimeError(f"{what}: FSDP2's trace shows no `FSDP::all_gather (name)` range: this torch "
-                           "labels FSDP2's phases differently; update GROUP_RANGE in harness/trace.py")
+                           "labels FSDP2's phases differently; update GROUP_RANGE in harness/tools/traces/trace.py")
     for m in modes:
         for who in ("fsdp2", "effdl"):
             s = stats[who].comm

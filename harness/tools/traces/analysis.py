@@ -1,18 +1,18 @@
 """Overlap and memory of a whole run, measured from the traces and snapshots that `train.py` writes.
 
-    uv run python -m harness.tools.analysis traces/fsdp2 traces/effdl    # memory from snapshots/fsdp2, snapshots/effdl
+    uv run python -m harness.tools.traces.analysis traces/fsdp2 traces/effdl    # memory from snapshots/fsdp2, snapshots/effdl
 
 Instead of reading Perfetto and memory_viz by eye, this computes for every profiled step
 (`ProfilerStep#N`) of every rank, then averages over steps and ranks:
 
   * how many all-gathers / reduce-scatters / all-reduces were issued, per phase, and how long
-    they ran and which part of that was hidden behind compute (harness/tools/collectives.py);
-  * which FSDP group's collectives compute overlapped, by order (harness/tools/schedule.py: what the
+    they ran and which part of that was hidden behind compute (harness/tools/traces/collectives.py);
+  * which FSDP group's collectives compute overlapped, by order (harness/tools/traces/schedule.py: what the
     graded overlap checks judge);
   * from the memory snapshot: the peak over the window, within forward and within backward,
-    and what each step leaves allocated (growth) (harness/tools/memory_analysis.py).
+    and what each step leaves allocated (growth) (harness/tools/traces/memory_analysis.py).
 
-Each rank's trace is read once (harness/trace.py); this module puts the ranks of one run together
+Each rank's trace is read once (harness/tools/traces/trace.py); this module puts the ranks of one run together
 (`analyze_run`) and prints runs side by side.
 """
 
@@ -25,11 +25,11 @@ from typing import Annotated
 import tyro
 
 from harness.cli import parse
-from harness.tools.collectives import StepStats, analyze_trace, mean
+from harness.tools.traces.collectives import StepStats, analyze_trace, mean
 from harness.errors import BAD_INPUT, stop
-from harness.tools.memory_analysis import MemoryStats, analyze_memory
-from harness.tools.schedule import Scheduled, must_overlap, schedule
-from harness.trace import KINDS, OTHER, PHASES, Trace, rank_files
+from harness.tools.traces.memory_analysis import MemoryStats, analyze_memory
+from harness.tools.traces.schedule import Scheduled, must_overlap, schedule
+from harness.tools.traces.trace import KINDS, OTHER, PHASES, Trace, rank_files
 
 
 @dataclass
@@ -159,7 +159,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.tools.analysis"))
+    main(parse(Args, argv, prog="python -m harness.tools.traces.analysis"))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Hand-in: everything the handout asks students to attach, written into one folder.
 
-    uv run python -m harness.tools.handin                      # fsdp.py, into handin/
-    uv run python -m harness.tools.handin --impl my_fsdp.py --out handin/
-    uv run python -m harness.tools.handin -- -m task1          # arguments after -- go to pytest
+    uv run python -m harness.tools.submissions.handin                      # fsdp.py, into handin/
+    uv run python -m harness.tools.submissions.handin --impl my_fsdp.py --out handin/
+    uv run python -m harness.tools.submissions.handin -- -m task1          # arguments after -- go to pytest
 
 It writes
   points.json, test-output.txt   the points table of `pytest test.py` (and its whole output);
@@ -10,7 +10,7 @@ It writes
                                  a profiled run of FSDP2 and of your FSDP: `tasks` (tasks 1-3,
                                  train.py's defaults) and each bonus you attempted (its test
                                  passed, or its TODO(bonusN) comment is gone from your file);
-  <run>/overlap.png              FSDP2's schedule above yours, one step of rank 0 (harness/tools/pictures.py);
+  <run>/overlap.png              FSDP2's schedule above yours, one step of rank 0 (harness/tools/traces/pictures.py);
   memory.png                     the peak memory per step of FSDP2 and of your FSDP in the memory tests;
   SUMMARY.md                     what is there, and every run that failed, with its error.
 A run of your FSDP that fails (a TODO, a bug) is reported in SUMMARY.md; the rest still runs.
@@ -31,11 +31,11 @@ from typing import Literal
 
 import tyro
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/handin.py
+ROOT = Path(__file__).resolve().parents[3]  # the repository: harness/tools/submissions/handin.py
 
 from harness.cli import parse  # noqa: E402
 from harness.errors import BAD_INPUT, ConfigError, stop  # noqa: E402
-from harness.tools import inert  # noqa: E402
+from harness.tools.submissions import inert  # noqa: E402
 
 BONUSES = ("bonus1", "bonus2", "bonus3")
 
@@ -81,7 +81,7 @@ def run_tests(impl: str, out: Path, pytest_args: list[str]) -> tuple[dict | None
 
 def draw_overlap(out: Path, name: str, impl: str, failures: list[str]) -> str:
     """<run>/overlap.png from the run's traces; one line saying what was drawn."""
-    from harness.tools import pictures
+    from harness.tools.traces import pictures
 
     failed = {who: next((f.split(": ", 1)[1] for f in failures if f.startswith(f"{name}, {who}: ")), None)
               for who in ("fsdp2", "effdl")}  # then its folder holds no trace of this hand-in, or an older one
@@ -104,8 +104,8 @@ def attempted_bonuses(impl_file: Path, points: dict | None) -> list[str]:
 
 def profile_runs(impl: str, out: Path, runs: list[str], world_size: int) -> list[str]:
     """Profiled runs of FSDP2 and of the hand-written FSDP; the failures, one line each."""
-    from harness.tools import jobs, policy
-    from harness.tools.ranks import RankError, RankPool
+    from harness.tools.grading import jobs, policy
+    from harness.tools.grading.ranks import RankError, RankPool
 
     failures = []
     with RankPool(world_size, role="own") as pool:
@@ -173,7 +173,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.tools.handin"))
+    main(parse(Args, argv, prog="python -m harness.tools.submissions.handin"))
 
 
 if __name__ == "__main__":

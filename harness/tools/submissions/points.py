@@ -1,12 +1,12 @@
 """The handout's points table, defined once.
 
 conftest.py prints it at the end of every run of test.py (and writes it with --points-json),
-`harness.tools.grade` makes its CSV columns from it, `harness.tools.handin` its summary, and a test keeps
+`harness.tools.submissions.grade` makes its CSV columns from it, `harness.tools.submissions.handin` its summary, and a test keeps
 the README's table in step with it. A line earns its points only when every case of its tests
 ran and passed; a failure costs the whole line; a line whose cases did not all run, or skipped,
 is not graded (None), and the total counts only graded lines.
 
-    uv run python -m harness.tools.points --earned "task 1 forward" points.json
+    uv run python -m harness.tools.submissions.points --earned "task 1 forward" points.json
 
 exits 0 when that line was earned in full in a table pytest wrote (`pytest test.py
 --points-json=points.json`), 1 when not: the GitHub Classroom workflow grades each line so.
@@ -128,7 +128,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.tools.points"))
+    main(parse(Args, argv, prog="python -m harness.tools.submissions.points"))
 
 
 if __name__ == "__main__":

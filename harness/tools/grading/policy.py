@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import train
 
 if TYPE_CHECKING:
-    from harness.tools.collectives import StepStats
+    from harness.tools.traces.collectives import StepStats
 
 
 PRECISIONS = [(p, r) for p in ("float32", "bfloat16") for r in ("float32", "bfloat16")]

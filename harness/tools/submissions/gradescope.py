@@ -1,6 +1,6 @@
 """Gradescope's `run_autograder`: grade the submitted fsdp.py and write the results Gradescope shows.
 
-    uv run python -m harness.tools.gradescope [--timeout SECONDS]
+    uv run python -m harness.tools.submissions.gradescope [--timeout SECONDS]
 
 Gradescope runs it once per submission in a fresh container (the autograder bundle, built by the
 instructors' release command, calls it). It reads ROOT/submission (the student's files: fsdp.py
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.cli import parse
-from harness.tools import grade as grading
-from harness.tools.points import LINES, TOTAL, render
+from harness.tools.submissions import grade as grading
+from harness.tools.submissions.points import LINES, TOTAL, render
 
 # Gradescope stops a whole submission at the assignment's limit (at most 40 minutes) and then shows
 # nothing; stopping the tests first leaves time to write results that say what happened.
@@ -143,7 +143,7 @@ def main(args: Args) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    main(parse(Args, argv, prog="python -m harness.tools.gradescope"))
+    main(parse(Args, argv, prog="python -m harness.tools.submissions.gradescope"))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from harness.fit import estimate
 def main(cfg) -> None:
     """Peak memory of initialisation per rank, next to the estimate; run it under torchrun:
 
-        uv run torchrun --nproc-per-node 2 -m harness.tools.init_memory --model 1b [--fsdp effdl] [--no-meta-init]
+        uv run torchrun --nproc-per-node 2 -m harness.tools.lab.init_memory --model 1b [--fsdp effdl] [--no-meta-init]
 
     Its flags are train.py's (cfg: a train.Config); those that shape the model and its wrapping count.
     """
@@ -56,7 +56,7 @@ def cli(argv: list[str] | None = None) -> None:
     from harness.errors import BAD_INPUT, ConfigError, stop
 
     try:
-        main(parse(train.Config, argv, prog="torchrun --nproc-per-node N -m harness.tools.init_memory"))
+        main(parse(train.Config, argv, prog="torchrun --nproc-per-node N -m harness.tools.lab.init_memory"))
     except ConfigError as e:  # a flag combination that cannot run; the message says how to fix it
         stop(str(e), BAD_INPUT)
 

@@ -45,7 +45,7 @@ def result_type(fn) -> Any:
         raise TypeError(f"{fn.__qualname__}: its annotations cannot be resolved ({e})") from None
     if "return" not in hints:
         raise TypeError(f"{fn.__module__}.{fn.__qualname__} has no return annotation: a job run on the ranks of a "
-                        "file under test returns data of a declared type (see harness/tools/wire.py)")
+                        "file under test returns data of a declared type (see harness/tools/grading/wire.py)")
     return hints["return"]
 
 

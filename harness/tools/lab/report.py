@@ -1,8 +1,8 @@
 """The writeup lab: one command measures what the writeup asks, as markdown tables and PNG plots.
 
-    uv run python -m harness.tools.report                          # the hand-written fsdp.py, full report (~5 min, 2 cores)
-    uv run python -m harness.tools.report --quick                  # small model, about a minute
-    uv run python -m harness.tools.report --impl path/to/fsdp.py --out my-report
+    uv run python -m harness.tools.lab.report                          # the hand-written fsdp.py, full report (~5 min, 2 cores)
+    uv run python -m harness.tools.lab.report --quick                  # small model, about a minute
+    uv run python -m harness.tools.lab.report --impl path/to/fsdp.py --out my-report
 
 Writes DIR/report.md (every table, every figure with the command that reproduces it),
 DIR/*.png and DIR/report.json (the numbers). CPU + gloo by default; CUDA + NCCL when every rank
@@ -21,8 +21,8 @@ same runs from the tensors themselves (Components); communication buffers are an
 Checks are on facts (bytes, counts, bits); timings only ever warn.
 
 Measuring and writing are apart: this module runs the measurements (the rank-side jobs are in
-harness/tools/report_jobs.py) into typed results (harness/tools/report_results.py: a Report, checked there);
-harness/tools/report_render.py writes them. The analytic columns are harness/memory_model.py's.
+harness/tools/lab/report_jobs.py) into typed results (harness/tools/lab/report_results.py: a Report, checked there);
+harness/tools/lab/report_render.py writes them. The analytic columns are harness/memory_model.py's.
 """
 
 from __future__ import annotations
@@ -39,21 +39,21 @@ from typing import Literal
 
 import train
 from harness import assets, compat, impl, memory_model
-from harness.tools.analysis import analyze_run
+from harness.tools.traces.analysis import analyze_run
 from harness.cli import parse
-from harness.tools.collectives import measured_volume
+from harness.tools.traces.collectives import measured_volume
 from harness.distributed import pool_device
 from harness.errors import FAILED, stop
-from harness.tools.ranks import RankPool, run_tool
-from harness.tools.report_jobs import comm_job, timeline_job, train_job
-from harness.tools.report_results import (
+from harness.tools.grading.ranks import RankPool, run_tool
+from harness.tools.lab.report_jobs import comm_job, timeline_job, train_job
+from harness.tools.lab.report_results import (
     CommBench, Environment, MemoryRow, Parts, Plan, Report, Reshard, StepTime, Timeline, Volume, Weak, check,
     timing_warnings,
 )
-from harness.tools.report_render import render
-from harness.trace import KINDS
+from harness.tools.lab.report_render import render
+from harness.tools.traces.trace import KINDS
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: harness/tools/report.py
+ROOT = Path(__file__).resolve().parents[3]  # the repository: harness/tools/lab/report.py
 MiB = 2**20
 
 
@@ -237,7 +237,7 @@ def measure(args: Args, plan: Plan, device: str, out: Path, progress: Progress) 
             "noprefetch": train.Config(fsdp="effdl", impl=args.impl, prefetch=False, **base)}
     groups = memory_model.model_groups("debug", plan.seq_len, assets.vocab_size(ROOT), **plan.model)
     flags = ["--impl", args.impl] + (["--quick"] if args.quick else [])
-    report = Report(command="uv run python -m harness.tools.report " + " ".join(flags), impl=str(impl.impl_path(args.impl)),
+    report = Report(command="uv run python -m harness.tools.lab.report " + " ".join(flags), impl=str(impl.impl_path(args.impl)),
                     device=device, plan=plan, n_params=memory_model.numel(groups), environment=environment())
     sections = Sections(plan, cfgs, groups, out, device, progress)
 
@@ -291,7 +291,7 @@ def main(args: Args) -> int:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    run_tool(main, parse(Args, argv, prog="python -m harness.tools.report"), "the report")
+    run_tool(main, parse(Args, argv, prog="python -m harness.tools.lab.report"), "the report")
 
 
 if __name__ == "__main__":

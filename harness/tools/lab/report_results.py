@@ -1,6 +1,6 @@
 """What the writeup report measures, as typed results, and the checks on them.
 
-harness/tools/report.py measures into a `Report`; harness/tools/report_render.py writes it as markdown and
+harness/tools/lab/report.py measures into a `Report`; harness/tools/lab/report_render.py writes it as markdown and
 plots; `check` and `timing_warnings` judge it; `to_json` is report.json. Memory parts are keyed by
 field name here and labelled (`LABELS`) only where they are written.
 """

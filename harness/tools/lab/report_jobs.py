@@ -1,4 +1,4 @@
-"""What the writeup report runs on every rank (harness/tools/report.py sends these to a RankPool).
+"""What the writeup report runs on every rank (harness/tools/lab/report.py sends these to a RankPool).
 
 Each job measures through hooks that it removes, or a patch that it restores, before it returns:
 the ranks of a pool run other jobs afterwards, which must see plain torch.
@@ -15,7 +15,7 @@ import torch
 
 import train
 from harness import memory
-from harness.tools.report_results import CommBench, Parts, Timeline
+from harness.tools.lab.report_results import CommBench, Parts, Timeline
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Overlap by order, what the graded overlap checks judge (harness/tools/checks.py).
+"""Overlap by order, what the graded overlap checks judge (harness/tools/grading/checks.py).
 
 `schedule` places each FSDP group's all-gather and reduce-scatter in the issuing thread's order:
 issued by the c10d op inside `FSDP::all_gather (G)` / `FSDP::post_backward_reduce (G)`, waited
@@ -6,7 +6,7 @@ for at the next `FSDP::all_gather_copy_out (G)` / `FSDP::reduce_scatter_wait (G)
 PendingReduce.finish; `reduce_scatter_done` when it had already finished), or at once when a
 `Work.wait` range (`marked_waits`) follows the op inside its group range, or its own wait comes in
 the same FSDP hook. It is overlapped when aten compute outside `FSDP::` ranges ran in between.
-Unlike hidden time (harness/tools/collectives.py), this depends only on the program, never on how
+Unlike hidden time (harness/tools/traces/collectives.py), this depends only on the program, never on how
 threads were scheduled.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from harness.trace import C10D_OPS, OTHER, ROOT_GROUP, Trace, inside, span_at, union
+from harness.tools.traces.trace import C10D_OPS, OTHER, ROOT_GROUP, Trace, inside, span_at, union
 
 # Where the main thread waited for a group's collective: the all-gather's copy-out (FSDP2's name),
 # and PendingReduce.finish's two ranges: `reduce_scatter_wait` when the reduce-scatter was still

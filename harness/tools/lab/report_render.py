@@ -1,4 +1,4 @@
-"""The writeup report's markdown, plots and JSON, rendered from its typed results (harness/tools/report_results.py).
+"""The writeup report's markdown, plots and JSON, rendered from its typed results (harness/tools/lab/report_results.py).
 
 Nothing here measures: `render` writes DIR/report.md, DIR/*.png and DIR/report.json from a Report.
 """
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from harness.memory_model import PerRank
-from harness.tools.report_results import Report, label, to_json
+from harness.tools.lab.report_results import Report, label, to_json
 
 MiB = 2**20
 NAMES = {"none": "DDP (no sharding)", "noprefetch": "hand-written, no prefetch",
@@ -143,7 +143,7 @@ def step_time_section(report: Report) -> list[str]:
           f"Median over {report.plan.repeats} interleaved runs of each run's median step; ratio to FSDP2. Communication "
           "share: collective wall time (union of intervals per kind) / step time; hidden share: the part of "
           "the model's collectives (DDP: all-reduces; FSDP: all-gathers and reduce-scatters) during which "
-          "compute ran (harness/tools/collectives.py, one profiled run each).", "",
+          "compute ran (harness/tools/traces/collectives.py, one profiled run each).", "",
           "| run | step (ms) | / FSDP2 | comm share | hidden share | all-gather hidden | reduce-scatter hidden |",
           "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in report.step_time:
@@ -154,13 +154,13 @@ def step_time_section(report: Report) -> list[str]:
 
 def overlap_section(out: Path, cmd: str) -> list[str]:
     """The profiled runs' schedules (out/traces/<fsdp2|effdl>, written by report.Sections.traces)."""
-    from harness.tools import pictures
+    from harness.tools.traces import pictures
 
     md = ["", "## Overlap (W=2, rank 0)", "",
           "One profiled step of FSDP2 above the same step of the hand-written FSDP, each from its step's start: "
           "per FSDP group its forward and backward compute, and its all-gathers and reduce-scatters from issued "
           "to waited for (green: another group computed meanwhile), with where gloo ran them "
-          "(harness/tools/pictures.py).", ""]
+          "(harness/tools/traces/pictures.py).", ""]
     try:
         pictures.overlap_png(out / "traces" / "fsdp2", out / "traces" / "effdl", out / "overlap.png",
                              title="Overlap: FSDP2 and the hand-written FSDP")

@@ -1,4 +1,4 @@
-"""Collectives per profiled step, read off one rank's trace (harness/trace.py): how many
+"""Collectives per profiled step, read off one rank's trace (harness/tools/traces/trace.py): how many
 all-gathers / reduce-scatters / all-reduces were issued per phase, how long they ran (the union of
 their intervals), which part of that was hidden behind compute, and their bytes.
 
@@ -45,7 +45,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.trace import (
+from harness.tools.traces.trace import (
     C10D_OPS, ITEMSIZE, KINDS, OTHER, PHASES, Interval, Trace, input_dims, inside, length, overlap, rank_files, union,
 )
 

@@ -23,9 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import train
 from harness import assets, memory, memory_model, model_setup
 from harness.distributed import agree, current_device
-from harness.tools import handwritten
-from harness.tools.policy import config
-from harness.tools.schedule import marked_waits
+from harness.tools.grading import handwritten
+from harness.tools.grading.policy import config
+from harness.tools.traces.schedule import marked_waits
 
 
 # --------------------------------------------------------------------------- parameter shards
