@@ -169,3 +169,50 @@ def test_readme_table_is_the_layout():
         actual = {m.rsplit(".", 1)[1] for m in modules}
         assert named == actual, f"docs/measuring.md's {folder} row: missing {sorted(actual - named)}, extra {sorted(named - actual)}"
 
+
+# --------------------------------------------------------------------------- commands
+
+COMMAND_SOURCES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+                   ".github/workflows/classroom.yml", "solution/gradescope/run_autograder", "solution/gradescope/setup.sh"]
+
+
+def commands_named() -> dict[str, list[str]]:
+    """`python -m harness...` module -> the files that run it (those of COMMAND_SOURCES present here:
+    the student repository has fewer)."""
+    from harness.tests.test_docs import modules_named
+
+    out: dict[str, list[str]] = {}
+    for name in COMMAND_SOURCES:
+        if (ROOT / name).is_file():
+            for module in modules_named((ROOT / name).read_text()):
+                if module.split(".")[0] == "harness":
+                    out.setdefault(module, []).append(name)
+    return out
+
+
+def test_every_command_named_is_a_module():
+    import importlib.util
+
+    named = commands_named()
+    assert "harness.tools.submissions.handin" in named and "harness.tools.submissions.points" in named, named
+    missing = {m: where for m, where in named.items() if importlib.util.find_spec(m) is None}
+    assert not missing, f"commands that name no module: {missing}"
+
+
+def test_moved_commands_lead_to_their_modules():
+    """harness.tools.MOVED: each old command (a module no more) -> its module now, which exists; no page
+    runs an old one; and docs/grading.md's table of moved commands is that table."""
+    import importlib.util
+    import re
+
+    from harness.tools import MOVED
+
+    assert MOVED, "harness.tools.MOVED is empty"
+    for old, new in MOVED.items():
+        assert importlib.util.find_spec(old) is None, f"{old} is still a module"
+        assert new.startswith(f"{TOOLS}.") and new.split(".")[2] in PACKAGES, new
+        assert importlib.util.find_spec(new) is not None, f"{old} moved to {new}, which is no module"
+    assert not (old := sorted(set(commands_named()) & set(MOVED))), f"pages still run the old commands {old}"
+    page = (ROOT / "docs" / "grading.md").read_text()
+    table = dict(re.findall(r"^\| `(harness\.tools\.\w+)` \| `(harness\.tools\.\w+\.\w+)` \|$", page, re.M))
+    assert table == MOVED, "docs/grading.md's table of moved commands is not harness.tools.MOVED"
