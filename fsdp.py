@@ -158,13 +158,7 @@ class FSDPParam:
             raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {name} has "
                                       f"shape {tuple(param.shape)} and stride {param.stride()}; make it "
                                       "contiguous (e.g. no channels_last) before fully_shard")
-        # TODO(bonus4): the shard dim of a 2-D mesh
-        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
-        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
-        # stand-in until this TODO is done (replace it):
-        if mesh.ndim != 1:
-            raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
-        self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
+        self.place_on_mesh(mesh)
         world, rank = self.world, self.rank
         self.row_shape = tuple(param.shape[1:])
         self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
@@ -181,6 +175,17 @@ class FSDPParam:
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
         self.init_dtypes()
         self.to_sharded()
+
+    def place_on_mesh(self, mesh: DeviceMesh) -> None:
+        """This rank's place among the ranks that split each parameter (`self.world`, `self.rank`), and
+        the placements of its DTensors (`self.placements`)."""
+        # TODO(bonus4): the shard dim of a 2-D mesh
+        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
+        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
+        # stand-in until this TODO is done (replace it):
+        if mesh.ndim != 1:
+            raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
+        self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
 
     @property
     def requires_grad(self) -> bool:
@@ -573,11 +578,7 @@ class FSDPGroup:
             pending.output += self.partial_reduce
             self.partial_reduce = None
         ctx = self.ctx
-        # TODO(bonus4): at most one replica all-reduce in flight
-        # Finish the previous group's first (it sets that group's gradients), as task 3 does with the
-        # reduce-scatters: its buffers are not kept longer than FSDP2 keeps them.
-        # stand-in until this TODO is done (replace it):
-        raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
+        ctx.finish_all_reduce()  # at most one in flight: the previous group's first
         with record_function(self.label(ALL_REDUCE_RANGE)):
             # TODO(bonus4): start the replica all-reduce
             # Asynchronous, across the replicate group, averaged as FSDP2 does: AVG both times (within the
@@ -610,12 +611,30 @@ class RootContext:
         # set_is_last_backward(False): more backwards follow before the optimizer step (microbatches),
         # so backward keeps what forward recorded for prefetching.
         self.is_last_backward = is_last_backward
+        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
+        self.init_forward_order()
+        self.init_backward_order()
+
+    def init_forward_order(self) -> None:
+        """Task 2's state: what a forward remembers for the next one."""
         # TODO(task2): what a forward remembers for the next one
         # Forward prefetch needs to know, before a group runs, which group ran after it last time.
+
+    def init_backward_order(self) -> None:
+        """Task 3's state: what backward needs from forward, and the reduce-scatter in flight."""
         # TODO(task3): what backward needs from forward, and the reduce-scatter in flight
         # Backward runs the groups in reverse, and a reduce-scatter may still be running while the
         # next group's backward computes.
-        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
+
+    def finish_all_reduce(self) -> None:
+        """HSDP: finish the replica all-reduce in flight, if any: before the next group's starts (its
+        buffers are not kept longer than FSDP2 keeps them) and at the end of backward."""
+        if self.pending_all_reduce is None:
+            return
+        # TODO(bonus4): finish the replica all-reduce in flight
+        # It sets that group's gradients, which the optimizer reads; as task 3 does with the reduce-scatters.
+        # stand-in until this TODO is done (replace it):
+        raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
 
 
 class FSDPState:
@@ -736,13 +755,16 @@ class FSDPState:
         if not torch.is_grad_enabled():
             return self.cast_output(output)
         if self.group is not None:
-            # TODO(task3): remember where this group ran, for backward
-            # Backward visits the groups in the reverse of the order in which forward finished them.
-            pass
+            self.record_backward_position()
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(self.pre_backward)
         return self.cast_output(output)
+
+    def record_backward_position(self) -> None:
+        """This group's forward finished: where it stands in the order backward reverses."""
+        # TODO(task3): remember where this group ran, for backward
+        # Backward visits the groups in the reverse of the order in which forward finished them.
 
     def cast_output(self, output: Any) -> Any:
         """MixedPrecisionPolicy.output_dtype: cast after the pre-backward hooks are in place, so the
@@ -775,12 +797,15 @@ class FSDPState:
             self.group.unshard()  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
             if not self.backward_prefetch:  # set_modules_to_backward_prefetch replaces it, as in FSDP2
-                # TODO(task3): backward prefetch
-                # Prefetch the group whose backward runs next, so that its all-gather runs while this
-                # group's backward computes (H11).
-                pass
+                self.prefetch_next_backward()
             _prefetch(self.backward_prefetch)
         return grad
+
+    def prefetch_next_backward(self) -> None:
+        """Start gathering the group whose backward runs after this one's."""
+        # TODO(task3): backward prefetch
+        # Prefetch the group whose backward runs next, so that its all-gather runs while this
+        # group's backward computes (H11).
 
     @torch.compiler.disable
     def post_backward(self) -> None:
@@ -795,16 +820,24 @@ class FSDPState:
             # then gathers nothing.
             # stand-in until this TODO is done (replace it):
             group.reshard()
-            # TODO(bonus3): skip the reduce-scatter without gradient sync
-            # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
-            # TODO(task3): at most one reduce-scatter in flight
-            # As in FSDP2, the previous one's buffers are freed before this one's are allocated.
-            pending = group.reduce_scatter()
-            if pending is None:
+            if self.accumulate_grads():
                 return
-            # TODO(task3): leave the reduce-scatter in flight
-            # It runs while the next group's backward computes; something must finish it later.
-            # stand-in until this TODO is done (replace it):
+            self.reduce_grads()
+
+    def accumulate_grads(self) -> bool:
+        """Without gradient sync (set_requires_gradient_sync(False)): keep the full gradients for a later
+        backward instead of reducing them. Whether it did."""
+        # TODO(bonus3): skip the reduce-scatter without gradient sync
+        # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
+        return False
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter this group's gradients."""
+        # TODO(task3): one reduce-scatter in flight, left running
+        # Finish the previous one first (FSDP2 frees its buffers before this one's are allocated), then
+        # leave this one running while the next group's backward computes: something finishes it later.
+        # stand-in until this TODO is done (replace it):
+        if (pending := self.group.reduce_scatter()) is not None:
             pending.finish()
 
     @torch.compiler.disable
@@ -818,11 +851,7 @@ class FSDPState:
                     state.post_backward()
             # TODO(task3): nothing may stay in flight after backward
             # The optimizer reads the sharded gradients next, and the next backward starts afresh.
-            if ctx.pending_all_reduce is not None:  # HSDP
-                # TODO(bonus4): wait for the last replica all-reduce
-                # The optimizer reads the gradients it sets.
-                # stand-in until this TODO is done (replace it):
-                raise TodoError("TODO(bonus4): finish the last replica all-reduce")
+            ctx.finish_all_reduce()  # HSDP: the last replica all-reduce; the optimizer reads what it sets
             for state in ctx.states:
                 if state.group is not None:
                     state.group.discard_pending_gather()

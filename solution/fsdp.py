@@ -157,16 +157,7 @@ class FSDPParam:
             raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {name} has "
                                       f"shape {tuple(param.shape)} and stride {param.stride()}; make it "
                                       "contiguous (e.g. no channels_last) before fully_shard")
-        # region bonus4: the shard dim of a 2-D mesh
-        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
-        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
-        shard_dim = mesh.ndim - 1
-        self.world, self.rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
-        self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
-        # else: if mesh.ndim != 1:
-        # else:     raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
-        # else: self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
-        # endregion
+        self.place_on_mesh(mesh)
         world, rank = self.world, self.rank
         self.row_shape = tuple(param.shape[1:])
         self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
@@ -188,6 +179,20 @@ class FSDPParam:
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
         self.init_dtypes()
         self.to_sharded()
+
+    def place_on_mesh(self, mesh: DeviceMesh) -> None:
+        """This rank's place among the ranks that split each parameter (`self.world`, `self.rank`), and
+        the placements of its DTensors (`self.placements`)."""
+        # region bonus4: the shard dim of a 2-D mesh
+        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
+        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
+        shard_dim = mesh.ndim - 1
+        self.world, self.rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+        self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        # else: if mesh.ndim != 1:
+        # else:     raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
+        # else: self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
+        # endregion
 
     @property
     def requires_grad(self) -> bool:
@@ -644,14 +649,7 @@ class FSDPGroup:
             pending.output += self.partial_reduce
             self.partial_reduce = None
         ctx = self.ctx
-        # region bonus4: at most one replica all-reduce in flight
-        # Finish the previous group's first (it sets that group's gradients), as task 3 does with the
-        # reduce-scatters: its buffers are not kept longer than FSDP2 keeps them.
-        if ctx.pending_all_reduce is not None:
-            ctx.pending_all_reduce, previous = None, ctx.pending_all_reduce
-            previous.finish()
-        # else: raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
-        # endregion
+        ctx.finish_all_reduce()  # at most one in flight: the previous group's first
         with record_function(self.label(ALL_REDUCE_RANGE)):
             # region bonus4: start the replica all-reduce
             # Asynchronous, across the replicate group, averaged as FSDP2 does: AVG both times (within the
@@ -691,11 +689,20 @@ class RootContext:
         # set_is_last_backward(False): more backwards follow before the optimizer step (microbatches),
         # so backward keeps what forward recorded for prefetching.
         self.is_last_backward = is_last_backward
+        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
+        self.init_forward_order()
+        self.init_backward_order()
+
+    def init_forward_order(self) -> None:
+        """Task 2's state: what a forward remembers for the next one."""
         # region task2: what a forward remembers for the next one
         # Forward prefetch needs to know, before a group runs, which group ran after it last time.
         self.forward_order: list[FSDPGroup] = []       # pre-forward order of this forward
         self.last_forward_order: list[FSDPGroup] = []  # ... and of the previous one
         # endregion
+
+    def init_backward_order(self) -> None:
+        """Task 3's state: what backward needs from forward, and the reduce-scatter in flight."""
         # region task3: what backward needs from forward, and the reduce-scatter in flight
         # Backward runs the groups in reverse, and a reduce-scatter may still be running while the
         # next group's backward computes.
@@ -703,7 +710,18 @@ class RootContext:
         self.backward_positions: dict[FSDPGroup, list[int]] = {}  # a group's places in that order
         self.pending_reduce: PendingReduce | None = None
         # endregion
-        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
+
+    def finish_all_reduce(self) -> None:
+        """HSDP: finish the replica all-reduce in flight, if any: before the next group's starts (its
+        buffers are not kept longer than FSDP2 keeps them) and at the end of backward."""
+        if self.pending_all_reduce is None:
+            return
+        # region bonus4: finish the replica all-reduce in flight
+        # It sets that group's gradients, which the optimizer reads; as task 3 does with the reduce-scatters.
+        self.pending_all_reduce, pending = None, self.pending_all_reduce
+        pending.finish()
+        # else: raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
+        # endregion
 
 
 class FSDPState:
@@ -833,15 +851,19 @@ class FSDPState:
         if not torch.is_grad_enabled():
             return self.cast_output(output)
         if self.group is not None:
-            # region task3: remember where this group ran, for backward
-            # Backward visits the groups in the reverse of the order in which forward finished them.
-            self.ctx.backward_positions.setdefault(self.group, []).append(len(self.ctx.post_forward_order))
-            self.ctx.post_forward_order.append(self.group)
-            # endregion
+            self.record_backward_position()
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(self.pre_backward)
         return self.cast_output(output)
+
+    def record_backward_position(self) -> None:
+        """This group's forward finished: where it stands in the order backward reverses."""
+        # region task3: remember where this group ran, for backward
+        # Backward visits the groups in the reverse of the order in which forward finished them.
+        self.ctx.backward_positions.setdefault(self.group, []).append(len(self.ctx.post_forward_order))
+        self.ctx.post_forward_order.append(self.group)
+        # endregion
 
     def cast_output(self, output: Any) -> Any:
         """MixedPrecisionPolicy.output_dtype: cast after the pre-backward hooks are in place, so the
@@ -878,16 +900,21 @@ class FSDPState:
             self.group.unshard()  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
             if not self.backward_prefetch:  # set_modules_to_backward_prefetch replaces it, as in FSDP2
-                # region task3: backward prefetch
-                # Prefetch the group whose backward runs next, so that its all-gather runs while this
-                # group's backward computes (H11).
-                positions = ctx.backward_positions.get(self.group)
-                index = positions.pop() if positions else 0
-                if index > 0:
-                    ctx.post_forward_order[index - 1].prefetch()
-                # endregion
+                self.prefetch_next_backward()
             _prefetch(self.backward_prefetch)
         return grad
+
+    def prefetch_next_backward(self) -> None:
+        """Start gathering the group whose backward runs after this one's."""
+        # region task3: backward prefetch
+        # Prefetch the group whose backward runs next, so that its all-gather runs while this
+        # group's backward computes (H11).
+        ctx = self.ctx
+        positions = ctx.backward_positions.get(self.group)
+        index = positions.pop() if positions else 0
+        if index > 0:
+            ctx.post_forward_order[index - 1].prefetch()
+        # endregion
 
     @torch.compiler.disable
     def post_backward(self) -> None:
@@ -904,27 +931,37 @@ class FSDPState:
                 group.reshard()
             # else: group.reshard()
             # endregion
-            # region bonus3: skip the reduce-scatter without gradient sync
-            # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
-            if not group.reduce_grads:
-                for p in group.params:
-                    p.accumulate_grad()
+            if self.accumulate_grads():
                 return
-            # endregion
-            # region task3: at most one reduce-scatter in flight
-            # As in FSDP2, the previous one's buffers are freed before this one's are allocated.
-            if self.ctx.pending_reduce is not None:
-                self.ctx.pending_reduce, pending = None, self.ctx.pending_reduce
-                pending.finish()
-            # endregion
-            pending = group.reduce_scatter()
-            if pending is None:
-                return
-            # region task3: leave the reduce-scatter in flight
-            # It runs while the next group's backward computes; something must finish it later.
-            self.ctx.pending_reduce = pending
-            # else: pending.finish()
-            # endregion
+            self.reduce_grads()
+
+    def accumulate_grads(self) -> bool:
+        """Without gradient sync (set_requires_gradient_sync(False)): keep the full gradients for a later
+        backward instead of reducing them. Whether it did."""
+        # region bonus3: skip the reduce-scatter without gradient sync
+        # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
+        if not self.group.reduce_grads:
+            for p in self.group.params:
+                p.accumulate_grad()
+            return True
+        # endregion
+        return False
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter this group's gradients."""
+        # region task3: one reduce-scatter in flight, left running
+        # Finish the previous one first (FSDP2 frees its buffers before this one's are allocated), then
+        # leave this one running while the next group's backward computes: something finishes it later.
+        ctx = self.ctx
+        if ctx.pending_reduce is not None:
+            ctx.pending_reduce, pending = None, ctx.pending_reduce
+            pending.finish()
+        pending = self.group.reduce_scatter()
+        if pending is not None:
+            ctx.pending_reduce = pending
+        # else: if (pending := self.group.reduce_scatter()) is not None:
+        # else:     pending.finish()
+        # endregion
 
     @torch.compiler.disable
     def final_callback(self) -> None:
@@ -944,13 +981,7 @@ class FSDPState:
                 ctx.post_forward_order.clear()
                 ctx.backward_positions.clear()
             # endregion
-            if ctx.pending_all_reduce is not None:  # HSDP
-                # region bonus4: wait for the last replica all-reduce
-                # The optimizer reads the gradients it sets.
-                ctx.pending_all_reduce, pending_all_reduce = None, ctx.pending_all_reduce
-                pending_all_reduce.finish()
-                # else: raise TodoError("TODO(bonus4): finish the last replica all-reduce")
-                # endregion
+            ctx.finish_all_reduce()  # HSDP: the last replica all-reduce; the optimizer reads what it sets
             for state in ctx.states:
                 if state.group is not None:
                     state.group.discard_pending_gather()
