@@ -1,7 +1,9 @@
 """The student skeleton: generated from the reference, up to date, and usable task by task."""
 
+import io
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -21,8 +23,11 @@ def test_skeleton_has_every_todo_and_no_reference_code():
     text = (ROOT / "fsdp.py").read_text()
     for tag in make_skeleton.TAGS:
         assert f"# TODO({tag})" in text, f"fsdp.py has no TODO({tag})"
+    # Its code, that is: the TODOs' notes quote the README's hints, which name these calls.
+    code = "".join(t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type != tokenize.COMMENT)
+    assert "all_gather_into_tensor(" in text, "the notes no longer quote H5: the check below would not show it reads code only"
     for solution_only in ("all_gather_into_tensor(", "reduce_scatter_tensor(", "resize_(0)"):
-        assert solution_only not in text, f"fsdp.py gives away {solution_only!r}"
+        assert solution_only not in code, f"fsdp.py gives away {solution_only!r}"
     compile(text, "fsdp.py", "exec")
 
 
@@ -50,9 +55,13 @@ def g(flag):
 
 def test_render_regions():
     out = render(SOURCE)
-    assert '    # TODO(task1): double it\n    # (more hint)\n    raise TodoError("TODO(task1): double it")' in out
+    assert ('    # TODO(task1): double it\n    # (more hint)\n    # ' + make_skeleton.REPLACE_RAISE + '\n'
+            '    raise TodoError("TODO(task1): double it")\n    return y\n') in out  # the given line after it: said
     assert "        # TODO(task2): optional, nothing instead\n        pass\n" in out  # keeps `if` valid
-    assert "    # TODO(bonus1): optional, with a fallback\n    # stand-in until this TODO is done (replace it):\n    z = 0\n" in out
+    assert ("    # TODO(bonus1): optional, with a fallback\n    # stand-in until this TODO is done (replace only the next "
+            "line; the lines after it are given):\n    z = 0\n    return z\n") in out
+    last = render("def h():\n    # region task1: last\n    pass\n    # endregion\n")
+    assert last == 'def h():\n    # TODO(task1): last\n    raise TodoError("TODO(task1): last")\n'  # nothing after: no note
     ns = {"TodoError": type("TodoError", (NotImplementedError,), {})}
     exec(compile(out, "skeleton", "exec"), ns)
     assert ns["g"](True) == 0
@@ -101,8 +110,9 @@ def test_instructors_table_of_lines_per_task_is_current():
 
 
 def test_hints_say_what_in_two_lines_and_todos_stop_with_one():
-    """Each region: a short name (the TodoError message) and at most two lines of hint;
-    the hints they cite exist in the README."""
+    """Each region: a short name (the TodoError message), at most two lines of hint, then notes of
+    the README hints it needs (at most four lines); the hints they cite and note exist in the README,
+    under the number and name each note gives."""
     solution = make_skeleton.SOLUTION.read_text()
     lines = solution.splitlines()
     readme = (ROOT / "README.md").read_text()
@@ -113,9 +123,19 @@ def test_hints_say_what_in_two_lines_and_todos_stop_with_one():
                 if not nxt.strip().startswith("# ") or make_skeleton.ELSE.match(nxt) or make_skeleton.CLOSE.match(nxt):
                     break
                 hint.append(nxt.strip()[2:])
+            hint, notes = make_skeleton.split_hint(hint)
             assert len(m["hint"]) <= 70, f"line {i + 1}: the piece's name is the error message: keep it short"
-            assert len(hint) <= 2, f"line {i + 1}: {m['tag']}'s hint has {len(hint)} lines; at most 2 (facts go to README)"
+            assert len(hint) <= 2, f"line {i + 1}: {m['tag']}'s hint has {len(hint)} lines; at most 2 (facts go to notes)"
+            assert len(notes) <= 4, f"line {i + 1}: {m['tag']}'s notes have {len(notes)} lines; at most 4"
             for cited in __import__("re").findall(r"\bH\d+\b", " ".join(hint)):
                 assert f"**{cited} " in readme, f"line {i + 1} cites {cited}, which README's Hints lack"
+            for note in notes:
+                if n := make_skeleton.NOTE.match(note):
+                    assert f"**H{n['number']} {n['name']}.**" in readme, (
+                        f"line {i + 1}: note H{n['number']} ({n['name']}) is not a hint of README's Hints by that number and name")
+                else:
+                    assert note.startswith(make_skeleton.NOTE_MORE), f"line {i + 1}: {note!r} neither starts a note nor continues one"
+    noted = set(__import__("re").findall(r"^\s*# H(\d+) \(", solution, __import__("re").M))
+    assert noted == {str(n) for n in range(1, 14)}, f"hints no TODO notes: {sorted(set(map(str, range(1, 14))) - noted)}"
     for message in __import__("re").findall(r'TodoError\("(TODO\([^"]*)"\)', (ROOT / "fsdp.py").read_text()):
         assert len(message) <= 80 and "\n" not in message, message
