@@ -139,3 +139,58 @@ def test_hints_say_what_in_two_lines_and_todos_stop_with_one():
     assert noted == {str(n) for n in range(1, 14)}, f"hints no TODO notes: {sorted(set(map(str, range(1, 14))) - noted)}"
     for message in __import__("re").findall(r'TodoError\("(TODO\([^"]*)"\)', (ROOT / "fsdp.py").read_text()):
         assert len(message) <= 80 and "\n" not in message, message
+
+
+# variant_fsdp.py is a hand-filled copy of an earlier skeleton (tasks 1-3 written anew, before HSDP,
+# reshard_after_forward=<int> and FSDP2's later contract): these of its given definitions predate the
+# skeleton's. Every other definition the skeleton gives (no TODO in it) must be the skeleton's exactly.
+VARIANT_PREDATES = {
+    "MixedPrecisionPolicy", "ShardedState", "FSDPParam.reset_sharded", "FSDPParam.to_dtensor",
+    "FSDPParam.to_unsharded", "PendingGather", "PendingGather.wait", "PendingReduce.finish", "FSDPState.__init__",
+    "FSDPState.lazy_init", "FSDPModule._apply", "FSDPModule.set_requires_gradient_sync",
+    "FSDPModule.set_reshard_after_forward", "fully_shard", "_managed_parameters", "_check_arguments",
+    "RootContext.__init__"}  # the skeleton's TODOs of tasks 2 and 3 left it for methods of their own
+
+
+def given_definitions(text: str) -> dict[str, tuple[str, bool]]:
+    """Each top-level function and class, a class with methods as each method plus the rest of its body:
+    name -> (AST dump, whether a TODO is in its source)."""
+    import ast
+
+    out = {}
+    for node in ast.parse(text).body:
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            continue
+        methods = [m for m in node.body if isinstance(m, ast.FunctionDef)] if isinstance(node, ast.ClassDef) else []
+        for unit, name in [(m, f"{node.name}.{m.name}") for m in methods] + [(node, node.name)]:
+            if unit is node and methods:
+                unit = ast.Module(body=[n for n in node.body if not isinstance(n, ast.FunctionDef)], type_ignores=[])
+            out[name] = (ast.dump(unit), "TODO(" in (ast.get_source_segment(text, unit) or "") if unit is not node or
+                         not methods else False)
+    return out
+
+
+def variant_drift(skeleton: str, variant: str) -> set[str]:
+    """The definitions given in the skeleton that the variant also has, written otherwise."""
+    given, theirs = given_definitions(skeleton), given_definitions(variant)
+    return {name for name, (dump, todo) in given.items() if not todo and name in theirs and theirs[name][0] != dump}
+
+
+def test_variant_keeps_the_skeletons_given_code():
+    variant = (ROOT / "solution" / "tests" / "variant_fsdp.py").read_text()
+    drift = variant_drift((ROOT / "fsdp.py").read_text(), variant)
+    assert drift == VARIANT_PREDATES, (
+        f"variant_fsdp.py's copy of the skeleton's given code differs in {sorted(drift - VARIANT_PREDATES)}; "
+        f"no longer in {sorted(VARIANT_PREDATES - drift)} (update VARIANT_PREDATES)")
+
+
+def test_variant_drift_is_found(tmp_path):
+    """Altering one given line of the variant (a copy) is found, and so is the skeleton's changing alone."""
+    skeleton = (ROOT / "fsdp.py").read_text()
+    variant = (ROOT / "solution" / "tests" / "variant_fsdp.py").read_text()
+    altered = tmp_path / "variant_fsdp.py"
+    altered.write_text(variant.replace("    return found\n", "    return found[::-1]\n", 1))
+    assert altered.read_text() != variant
+    assert variant_drift(skeleton, altered.read_text()) - VARIANT_PREDATES == {"_tensors"}
+    changed = skeleton.replace("class UnshardHandle:\n    def __init__(self, group", "class UnshardHandle:\n    def __init__(self, grp", 1)
+    assert variant_drift(changed, variant) - VARIANT_PREDATES == {"UnshardHandle.__init__"}
