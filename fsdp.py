@@ -158,13 +158,7 @@ class FSDPParam:
             raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {name} has "
                                       f"shape {tuple(param.shape)} and stride {param.stride()}; make it "
                                       "contiguous (e.g. no channels_last) before fully_shard")
-        # TODO(bonus4): the shard dim of a 2-D mesh
-        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
-        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
-        # stand-in until this TODO is done (replace it):
-        if mesh.ndim != 1:
-            raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
-        self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
+        self.place_on_mesh(mesh)
         world, rank = self.world, self.rank
         self.row_shape = tuple(param.shape[1:])
         self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
@@ -175,12 +169,30 @@ class FSDPParam:
         # TODO(task1): shard this parameter
         # Keep this rank's rows in `self.padded_shard` (chunk 0's size: what the all-gather sends) and
         # make `self.sharded` the Shard(0) DTensor parameter over them, sharing their storage (H1, H2).
+        # H1 (rows): c = ceil(rows / world), rank r owns rows [r*c, min((r+1)*c, rows)) as torch.chunk (trailing
+        #   ranks may own fewer or none); every rank pads its chunk with zeros to c rows: all send one size.
+        # H2 (DTensor): `self.to_dtensor(rows)` gives the global shape and stride; the parameter's local tensor
+        #   must be a view of the padded buffer the all-gather sends (the optimizer updates it in place).
+        # replace only the raise below with your code; the lines after it are given
         raise TodoError("TODO(task1): shard this parameter")
         self.gathered: torch.Tensor | None = None    # world * padded rows, compute dtype
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
         self.init_dtypes()
         self.to_sharded()
+
+    def place_on_mesh(self, mesh: DeviceMesh) -> None:
+        """This rank's place among the ranks that split each parameter (`self.world`, `self.rank`), and
+        the placements of its DTensors (`self.placements`)."""
+        # TODO(bonus4): the shard dim of a 2-D mesh
+        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
+        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
+        # H12 (HSDP mesh): dim 0 replicates, dim 1 shards: a rank's rows are those of `mesh.get_local_rank(1)` of
+        #   `mesh.size(1)`; every replica starts from the full model's init, split along dim 1 only.
+        # stand-in until this TODO is done (replace it):
+        if mesh.ndim != 1:
+            raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
+        self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
 
     @property
     def requires_grad(self) -> bool:
@@ -258,12 +270,17 @@ class FSDPParam:
         # TODO(task1): refill the full parameter
         # Create `self.unsharded` over `self.gathered` once; afterwards give the freed storage back
         # its memory. Tensors autograd saved in forward must stay valid after the refill (H3).
+        # H3 (version counters): autograd checks at backward that nobody wrote into what it saved; a write through
+        #   `tensor.data` does not bump the version, so a refill with the same values is safe.
+        # H4 (freeing): `t.untyped_storage().resize_(nbytes)` makes a freed tensor usable again (uninitialised).
         raise TodoError("TODO(task1): refill the full parameter")
 
     def free_unsharded(self) -> None:
         """Free the full parameter's memory but keep the tensor (autograd may hold it)."""
         # TODO(task1): free the full parameter
         # Its memory goes back now, but the tensor object stays: autograd may still hold it (H4).
+        # H4 (freeing): `t.untyped_storage().resize_(0)` gives the memory back but keeps the tensor object, which
+        #   autograd may hold; dropping your own reference is not enough.
         raise TodoError("TODO(task1): free the full parameter")
 
     def take_grad(self) -> torch.Tensor | None:
@@ -285,6 +302,8 @@ class FSDPParam:
         # TODO(task1): lay out the gradient for the reduce-scatter
         # Rank r must receive the sum of everyone's rows r owns, so row r of `dest` gets those rows
         # of `grad` in dest's dtype, padded like the shards (H1).
+        # H1 (rows): rank r owns rows [r*c, min((r+1)*c, rows)) (`self.rows[r]` of them, c = `self.padded_rows`),
+        #   padded with zeros to c rows.
         raise TodoError("TODO(task1): lay out the gradient for the reduce-scatter")
 
     def set_sharded_grad(self, shard: torch.Tensor) -> None:
@@ -292,6 +311,7 @@ class FSDPParam:
         # TODO(task1): hand the shard its gradient
         # The optimizer and clip_grad_norm_ read `self.sharded.grad`: a Shard(0) DTensor like the
         # parameter; with a gradient already there (accumulation), add to it.
+        # H2 (DTensor): wrap this rank's rows (without the padding) as the parameter is: `self.to_dtensor(rows)`.
         raise TodoError("TODO(task1): hand the shard its gradient")
 
     def run_post_accumulate_grad_hooks(self) -> None:
@@ -308,6 +328,8 @@ class FSDPParam:
         # TODO(bonus3): keep the full gradient for the next backward
         # Autograd adds into `.grad` by itself; under mixed precision FSDP2 accumulates a copy in
         # the reduce dtype instead (H9), which `take_grad` hands over at the synced backward.
+        # H9 (accumulation): autograd adds each micro-step's gradient into the full parameter's `.grad`; when the
+        #   reduce dtype differs from the compute dtype, FSDP2 accumulates a copy in the reduce dtype instead.
 
 
 # --------------------------------------------------------------------------------------
@@ -397,7 +419,8 @@ class FSDPGroup:
         # TODO(bonus4): which group each collective uses
         # All-gathers and reduce-scatters run within the shard group (this rank's row of the mesh), the
         # replica all-reduce across the replicate group (its column); no replicate group on a 1-D mesh.
-        # stand-in until this TODO is done (replace it):
+        # H12 (HSDP mesh): `mesh.get_group(1)` / `mesh.get_group(0)` are the shard and replicate groups.
+        # stand-in until this TODO is done (replace only the next line; the lines after it are given):
         self.process_group, self.replicate_group = mesh.get_group(), None
         self.world, self.rank = params[0].world, params[0].rank
         self.ctx: RootContext | None = None  # set when the root starts: where a replica all-reduce waits
@@ -478,6 +501,11 @@ class FSDPGroup:
             # TODO(task1): start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
             # compute dtype, in one asynchronous collective into one flat buffer (H5, H6).
+            # H5 (collectives): `dist.all_gather_into_tensor(out, inp, group=..., async_op=True)` returns a work handle;
+            #   `inp` may be this rank's slice of `out`. All ranks: the same collectives, order and sizes, or they hang.
+            # H6 (mixed precision, forward): cast the shards to `param_dtype` before the all-gather, as FSDP2 does:
+            #   half the bytes on the wire in bfloat16 (the tests compare the bytes sent).
+            # replace only the raise below with your code; the lines after it are given
             raise TodoError("TODO(task1): start the all-gather")
         self.state = ShardedState.GATHERING
 
@@ -490,6 +518,8 @@ class FSDPGroup:
             # TODO(task1): finish the all-gather
             # Once the collective is done, each parameter takes its columns of the buffer and the
             # modules compute with the full parameters.
+            # H5 (collectives): read the all-gather's output only after its `work.wait()` (`PendingGather.wait`).
+            # replace only the raise below with your code; the lines after it are given
             raise TodoError("TODO(task1): finish the all-gather")
         self.state = ShardedState.GATHERED
 
@@ -501,6 +531,7 @@ class FSDPGroup:
             return
         # TODO(task1): free the group's full parameters
         # The modules go back to the sharded parameters, and the full ones give their memory back.
+        # replace only the raise below with your code; the lines after it are given
         raise TodoError("TODO(task1): free the group's full parameters")
         self.state = ShardedState.SHARDED
 
@@ -525,7 +556,9 @@ class FSDPGroup:
             torch.cat(self.post_forward_shards, out=flat.view(k, total)[place])
             # TODO(bonus1): gather the post-forward shards among k ranks
             # As task 1's all-gather, over this rank's row of the post-forward mesh (its dim 1).
-            # stand-in until this TODO is done (replace it):
+            # H5 (collectives): `dist.all_gather_into_tensor(out, inp, group=..., async_op=True)`; `inp` may be this
+            #   rank's slice of `out`.
+            # stand-in until this TODO is done (replace only the next line; the lines after it are given):
             raise TodoError("TODO(bonus1): gather the post-forward shards among k ranks")
             numels = [p.padded_numel for p in self.params]
             self.pending_gather = PendingGather(work, flat, (self.world, k, numels))
@@ -557,6 +590,9 @@ class FSDPGroup:
             # TODO(task1): start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
             # the reduce dtype (H8); the full gradients are freed before it runs.
+            # H7 (reduce-scatter): only the gradients there are, one after another (no slot for a frozen or unused
+            #   parameter); `ReduceOp.AVG` inside the collective (`SUM` at world size 1), no division before it.
+            # H8 (mixed precision, backward): gradients go into the collective in the reduce dtype.
             raise TodoError("TODO(task1): start the reduce-scatter")
 
     def all_reduce(self, pending: PendingReduce) -> None:
@@ -573,16 +609,15 @@ class FSDPGroup:
             pending.output += self.partial_reduce
             self.partial_reduce = None
         ctx = self.ctx
-        # TODO(bonus4): at most one replica all-reduce in flight
-        # Finish the previous group's first (it sets that group's gradients), as task 3 does with the
-        # reduce-scatters: its buffers are not kept longer than FSDP2 keeps them.
-        # stand-in until this TODO is done (replace it):
-        raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
+        ctx.finish_all_reduce()  # at most one in flight: the previous group's first
         with record_function(self.label(ALL_REDUCE_RANGE)):
             # TODO(bonus4): start the replica all-reduce
             # Asynchronous, across the replicate group, averaged as FSDP2 does: AVG both times (within the
             # shard group, then across replicas), SUM when there is one data-parallel rank in all (H13).
-            # stand-in until this TODO is done (replace it):
+            # H13 (HSDP reduction): `dist.all_reduce` the finished reduce-scatter's output in place across the
+            #   replicate group with `ReduceOp.AVG`, even over one replica (`SUM` only with one data-parallel rank
+            #   in all).
+            # stand-in until this TODO is done (replace only the next line; the lines after it are given):
             raise TodoError("TODO(bonus4): start the replica all-reduce")
         ctx.pending_all_reduce = PendingAllReduce(work, pending)
 
@@ -591,6 +626,8 @@ class FSDPGroup:
         # TODO(task1): finish the reduce-scatter
         # Each parameter reduced gets its slice of the output (where its gradient sat in the input),
         # in its own dtype.
+        # H8 (mixed precision, backward): the reduced gradients come out cast back to the parameter's dtype.
+        # replace only the raise below with your code; the lines after it are given
         raise TodoError("TODO(task1): finish the reduce-scatter")
         for p in pending.params:
             p.run_post_accumulate_grad_hooks()
@@ -610,12 +647,35 @@ class RootContext:
         # set_is_last_backward(False): more backwards follow before the optimizer step (microbatches),
         # so backward keeps what forward recorded for prefetching.
         self.is_last_backward = is_last_backward
+        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
+        self.init_forward_order()
+        self.init_backward_order()
+
+    def init_forward_order(self) -> None:
+        """Task 2's state: what a forward remembers for the next one."""
         # TODO(task2): what a forward remembers for the next one
         # Forward prefetch needs to know, before a group runs, which group ran after it last time.
+        # H10 (overlap): FSDP2 keeps at most the current group and the next one gathered.
+
+    def init_backward_order(self) -> None:
+        """Task 3's state: what backward needs from forward, and the reduce-scatter in flight."""
         # TODO(task3): what backward needs from forward, and the reduce-scatter in flight
         # Backward runs the groups in reverse, and a reduce-scatter may still be running while the
         # next group's backward computes.
-        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
+        # H11 (backward order): autograd runs the groups' backward in the reverse of the order in which their
+        #   forwards finished (post-forward), and a group that ran twice runs backward twice.
+
+    def finish_all_reduce(self) -> None:
+        """HSDP: finish the replica all-reduce in flight, if any: before the next group's starts (its
+        buffers are not kept longer than FSDP2 keeps them) and at the end of backward."""
+        if self.pending_all_reduce is None:
+            return
+        # TODO(bonus4): finish the replica all-reduce in flight
+        # It sets that group's gradients, which the optimizer reads; as task 3 does with the reduce-scatters.
+        # H13 (HSDP reduction): only once the all-reduce is finished are the gradients cast back and handed out,
+        #   before the optimizer reads them.
+        # stand-in until this TODO is done (replace it):
+        raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
 
 
 class FSDPState:
@@ -711,6 +771,8 @@ class FSDPState:
             # TODO(task2): forward prefetch
             # Prefetch the group that will run after this one, so that its all-gather runs while
             # this group computes; it is waited for where it is used (H10).
+            # H10 (overlap): a collective started with `async_op=True` runs while Python goes on; wait for it where its
+            #   result is first needed. FSDP2 keeps at most the current group and the next one gathered.
             _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch
         if torch.is_grad_enabled():
             # Identity in forward; its backward runs once the gradients w.r.t. the inputs
@@ -730,19 +792,24 @@ class FSDPState:
                 # TODO(bonus1): keep the parameters gathered until backward when asked
                 # With reshard_after_forward=False a group keeps its full parameters from forward to
                 # backward (the root by default: backward starts with it), so backward gathers nothing.
-                # stand-in until this TODO is done (replace it):
+                # stand-in until this TODO is done (replace only the next 2 lines; the lines after them are given):
                 if not self.is_root:  # FSDP2's default: the root stays gathered
                     self.group.reshard()
         if not torch.is_grad_enabled():
             return self.cast_output(output)
         if self.group is not None:
-            # TODO(task3): remember where this group ran, for backward
-            # Backward visits the groups in the reverse of the order in which forward finished them.
-            pass
+            self.record_backward_position()
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(self.pre_backward)
         return self.cast_output(output)
+
+    def record_backward_position(self) -> None:
+        """This group's forward finished: where it stands in the order backward reverses."""
+        # TODO(task3): remember where this group ran, for backward
+        # Backward visits the groups in the reverse of the order in which forward finished them.
+        # H11 (backward order): backward runs the groups in the reverse of the order in which their forwards
+        #   finished, and a group that ran twice runs backward twice.
 
     def cast_output(self, output: Any) -> Any:
         """MixedPrecisionPolicy.output_dtype: cast after the pre-backward hooks are in place, so the
@@ -772,15 +839,21 @@ class FSDPState:
             # TODO(task3): finish a reduce-scatter that is already done
             # Its buffers (gloo's copy of the input included) are freed before this group's
             # all-gather allocates more; one still running is left to run.
+            # H10 (overlap): a collective runs while Python goes on; `PendingReduce.done()` asks without waiting.
             self.group.unshard()  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
             if not self.backward_prefetch:  # set_modules_to_backward_prefetch replaces it, as in FSDP2
-                # TODO(task3): backward prefetch
-                # Prefetch the group whose backward runs next, so that its all-gather runs while this
-                # group's backward computes (H11).
-                pass
+                self.prefetch_next_backward()
             _prefetch(self.backward_prefetch)
         return grad
+
+    def prefetch_next_backward(self) -> None:
+        """Start gathering the group whose backward runs after this one's."""
+        # TODO(task3): backward prefetch
+        # Prefetch the group whose backward runs next, so that its all-gather runs while this
+        # group's backward computes (H11).
+        # H11 (backward order): backward runs the groups in the reverse of the order in which their forwards
+        #   finished, and a group that ran twice runs backward twice.
 
     @torch.compiler.disable
     def post_backward(self) -> None:
@@ -793,18 +866,30 @@ class FSDPState:
             # TODO(bonus2): keep the parameters gathered after backward when asked
             # With reshard_after_backward=False they stay for the next micro-step's forward, which
             # then gathers nothing.
-            # stand-in until this TODO is done (replace it):
+            # stand-in until this TODO is done (replace only the next line; the lines after it are given):
             group.reshard()
-            # TODO(bonus3): skip the reduce-scatter without gradient sync
-            # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
-            # TODO(task3): at most one reduce-scatter in flight
-            # As in FSDP2, the previous one's buffers are freed before this one's are allocated.
-            pending = group.reduce_scatter()
-            if pending is None:
+            if self.accumulate_grads():
                 return
-            # TODO(task3): leave the reduce-scatter in flight
-            # It runs while the next group's backward computes; something must finish it later.
-            # stand-in until this TODO is done (replace it):
+            self.reduce_grads()
+
+    def accumulate_grads(self) -> bool:
+        """Without gradient sync (set_requires_gradient_sync(False)): keep the full gradients for a later
+        backward instead of reducing them. Whether it did."""
+        # TODO(bonus3): skip the reduce-scatter without gradient sync
+        # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
+        # H9 (accumulation): without gradient sync the full gradients accumulate (`FSDPParam.accumulate_grad`)
+        #   and are reduced once, at the next synced backward.
+        return False
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter this group's gradients."""
+        # TODO(task3): one reduce-scatter in flight, left running
+        # Finish the previous one first (FSDP2 frees its buffers before this one's are allocated), then
+        # leave this one running while the next group's backward computes: something finishes it later.
+        # H10 (overlap): a collective started with `async_op=True` runs while Python goes on; wait for it where
+        #   its result is first needed.
+        # stand-in until this TODO is done (replace it):
+        if (pending := self.group.reduce_scatter()) is not None:
             pending.finish()
 
     @torch.compiler.disable
@@ -818,11 +903,8 @@ class FSDPState:
                     state.post_backward()
             # TODO(task3): nothing may stay in flight after backward
             # The optimizer reads the sharded gradients next, and the next backward starts afresh.
-            if ctx.pending_all_reduce is not None:  # HSDP
-                # TODO(bonus4): wait for the last replica all-reduce
-                # The optimizer reads the gradients it sets.
-                # stand-in until this TODO is done (replace it):
-                raise TodoError("TODO(bonus4): finish the last replica all-reduce")
+            # H10 (overlap): wait for a collective where its result is first needed: here, the optimizer's step.
+            ctx.finish_all_reduce()  # HSDP: the last replica all-reduce; the optimizer reads what it sets
             for state in ctx.states:
                 if state.group is not None:
                     state.group.discard_pending_gather()

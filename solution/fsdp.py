@@ -157,16 +157,7 @@ class FSDPParam:
             raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {name} has "
                                       f"shape {tuple(param.shape)} and stride {param.stride()}; make it "
                                       "contiguous (e.g. no channels_last) before fully_shard")
-        # region bonus4: the shard dim of a 2-D mesh
-        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
-        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
-        shard_dim = mesh.ndim - 1
-        self.world, self.rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
-        self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
-        # else: if mesh.ndim != 1:
-        # else:     raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
-        # else: self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
-        # endregion
+        self.place_on_mesh(mesh)
         world, rank = self.world, self.rank
         self.row_shape = tuple(param.shape[1:])
         self.padded_rows = -(-param.shape[0] // world)      # ceil: torch.chunk's chunk size
@@ -177,6 +168,10 @@ class FSDPParam:
         # region task1: shard this parameter
         # Keep this rank's rows in `self.padded_shard` (chunk 0's size: what the all-gather sends) and
         # make `self.sharded` the Shard(0) DTensor parameter over them, sharing their storage (H1, H2).
+        # H1 (rows): c = ceil(rows / world), rank r owns rows [r*c, min((r+1)*c, rows)) as torch.chunk (trailing
+        #   ranks may own fewer or none); every rank pads its chunk with zeros to c rows: all send one size.
+        # H2 (DTensor): `self.to_dtensor(rows)` gives the global shape and stride; the parameter's local tensor
+        #   must be a view of the padded buffer the all-gather sends (the optimizer updates it in place).
         start = rank * self.padded_rows
         self.padded_shard = param.detach().new_zeros((self.padded_rows, *self.row_shape))
         self.padded_shard[:self.rows[rank]].copy_(param.detach()[start:start + self.rows[rank]])
@@ -188,6 +183,22 @@ class FSDPParam:
         self.accumulated_grad: torch.Tensor | None = None  # bonus 3, under mixed precision
         self.init_dtypes()
         self.to_sharded()
+
+    def place_on_mesh(self, mesh: DeviceMesh) -> None:
+        """This rank's place among the ranks that split each parameter (`self.world`, `self.rank`), and
+        the placements of its DTensors (`self.placements`)."""
+        # region bonus4: the shard dim of a 2-D mesh
+        # HSDP (FSDP2's 2-D mesh): dim 0 replicates, dim 1 shards. A rank's rows are its place along dim 1,
+        # the same on every replica, and the DTensor says both: Replicate() on dim 0, Shard(0) on dim 1 (H12).
+        # H12 (HSDP mesh): dim 0 replicates, dim 1 shards: a rank's rows are those of `mesh.get_local_rank(1)` of
+        #   `mesh.size(1)`; every replica starts from the full model's init, split along dim 1 only.
+        shard_dim = mesh.ndim - 1
+        self.world, self.rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+        self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        # else: if mesh.ndim != 1:
+        # else:     raise TodoError("TODO(bonus4): shard over dim 1 of a 2-D mesh and replicate over dim 0 (HSDP)")
+        # else: self.world, self.rank, self.placements = mesh.size(), mesh.get_local_rank(), (Shard(0),)
+        # endregion
 
     @property
     def requires_grad(self) -> bool:
@@ -265,6 +276,9 @@ class FSDPParam:
         # region task1: refill the full parameter
         # Create `self.unsharded` over `self.gathered` once; afterwards give the freed storage back
         # its memory. Tensors autograd saved in forward must stay valid after the refill (H3).
+        # H3 (version counters): autograd checks at backward that nobody wrote into what it saved; a write through
+        #   `tensor.data` does not bump the version, so a refill with the same values is safe.
+        # H4 (freeing): `t.untyped_storage().resize_(nbytes)` makes a freed tensor usable again (uninitialised).
         if self.gathered is None:
             world = gathered_columns.size(0)
             self.gathered = torch.empty((world * self.padded_rows, *self.row_shape),
@@ -281,6 +295,8 @@ class FSDPParam:
         """Free the full parameter's memory but keep the tensor (autograd may hold it)."""
         # region task1: free the full parameter
         # Its memory goes back now, but the tensor object stays: autograd may still hold it (H4).
+        # H4 (freeing): `t.untyped_storage().resize_(0)` gives the memory back but keeps the tensor object, which
+        #   autograd may hold; dropping your own reference is not enough.
         if self.gathered is not None:
             self.gathered.untyped_storage().resize_(0)
         # endregion
@@ -304,6 +320,8 @@ class FSDPParam:
         # region task1: lay out the gradient for the reduce-scatter
         # Rank r must receive the sum of everyone's rows r owns, so row r of `dest` gets those rows
         # of `grad` in dest's dtype, padded like the shards (H1).
+        # H1 (rows): rank r owns rows [r*c, min((r+1)*c, rows)) (`self.rows[r]` of them, c = `self.padded_rows`),
+        #   padded with zeros to c rows.
         dest = dest.view(dest.size(0), self.padded_rows, *self.row_shape)
         for r, n in enumerate(self.rows):
             start = r * self.padded_rows
@@ -316,6 +334,7 @@ class FSDPParam:
         # region task1: hand the shard its gradient
         # The optimizer and clip_grad_norm_ read `self.sharded.grad`: a Shard(0) DTensor like the
         # parameter; with a gradient already there (accumulation), add to it.
+        # H2 (DTensor): wrap this rank's rows (without the padding) as the parameter is: `self.to_dtensor(rows)`.
         local = shard[:math.prod(self.local_shape)].view(self.local_shape)
         if self.sharded.grad is None:
             self.sharded.grad = self.to_dtensor(local)
@@ -337,6 +356,8 @@ class FSDPParam:
         # region bonus3: keep the full gradient for the next backward
         # Autograd adds into `.grad` by itself; under mixed precision FSDP2 accumulates a copy in
         # the reduce dtype instead (H9), which `take_grad` hands over at the synced backward.
+        # H9 (accumulation): autograd adds each micro-step's gradient into the full parameter's `.grad`; when the
+        #   reduce dtype differs from the compute dtype, FSDP2 accumulates a copy in the reduce dtype instead.
         grad = self.unsharded.grad if self.unsharded is not None else None
         if grad is None:
             return
@@ -437,6 +458,7 @@ class FSDPGroup:
         # region bonus4: which group each collective uses
         # All-gathers and reduce-scatters run within the shard group (this rank's row of the mesh), the
         # replica all-reduce across the replicate group (its column); no replicate group on a 1-D mesh.
+        # H12 (HSDP mesh): `mesh.get_group(1)` / `mesh.get_group(0)` are the shard and replicate groups.
         self.process_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         # else: self.process_group, self.replicate_group = mesh.get_group(), None
@@ -520,6 +542,10 @@ class FSDPGroup:
             # region task1: start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
             # compute dtype, in one asynchronous collective into one flat buffer (H5, H6).
+            # H5 (collectives): `dist.all_gather_into_tensor(out, inp, group=..., async_op=True)` returns a work handle;
+            #   `inp` may be this rank's slice of `out`. All ranks: the same collectives, order and sizes, or they hang.
+            # H6 (mixed precision, forward): cast the shards to `param_dtype` before the all-gather, as FSDP2 does:
+            #   half the bytes on the wire in bfloat16 (the tests compare the bytes sent).
             flat = torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
             mine = flat.view(self.world, self.shard_numel)[self.rank]
             for p, start, end in zip(self.params, self.offsets, self.offsets[1:]):
@@ -538,6 +564,7 @@ class FSDPGroup:
             # region task1: finish the all-gather
             # Once the collective is done, each parameter takes its columns of the buffer and the
             # modules compute with the full parameters.
+            # H5 (collectives): read the all-gather's output only after its `work.wait()` (`PendingGather.wait`).
             columns = pending.wait().view(self.world, self.shard_numel)
             for p, start, end in zip(self.params, self.offsets, self.offsets[1:]):
                 p.copy_out(columns[:, start:end])
@@ -580,6 +607,8 @@ class FSDPGroup:
             torch.cat(self.post_forward_shards, out=flat.view(k, total)[place])
             # region bonus1: gather the post-forward shards among k ranks
             # As task 1's all-gather, over this rank's row of the post-forward mesh (its dim 1).
+            # H5 (collectives): `dist.all_gather_into_tensor(out, inp, group=..., async_op=True)`; `inp` may be this
+            #   rank's slice of `out`.
             work = dist.all_gather_into_tensor(flat, flat.view(k, total)[place],
                                                group=self.post_forward_mesh.get_group(1), async_op=True)
             # else: raise TodoError("TODO(bonus1): gather the post-forward shards among k ranks")
@@ -614,6 +643,9 @@ class FSDPGroup:
             # region task1: start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
             # the reduce dtype (H8); the full gradients are freed before it runs.
+            # H7 (reduce-scatter): only the gradients there are, one after another (no slot for a frozen or unused
+            #   parameter); `ReduceOp.AVG` inside the collective (`SUM` at world size 1), no division before it.
+            # H8 (mixed precision, backward): gradients go into the collective in the reduce dtype.
             numel = sum(p.padded_numel for p in params)
             flat = torch.empty((self.world, numel), dtype=self.reduce_dtype, device=self.device)
             start = 0
@@ -644,18 +676,14 @@ class FSDPGroup:
             pending.output += self.partial_reduce
             self.partial_reduce = None
         ctx = self.ctx
-        # region bonus4: at most one replica all-reduce in flight
-        # Finish the previous group's first (it sets that group's gradients), as task 3 does with the
-        # reduce-scatters: its buffers are not kept longer than FSDP2 keeps them.
-        if ctx.pending_all_reduce is not None:
-            ctx.pending_all_reduce, previous = None, ctx.pending_all_reduce
-            previous.finish()
-        # else: raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
-        # endregion
+        ctx.finish_all_reduce()  # at most one in flight: the previous group's first
         with record_function(self.label(ALL_REDUCE_RANGE)):
             # region bonus4: start the replica all-reduce
             # Asynchronous, across the replicate group, averaged as FSDP2 does: AVG both times (within the
             # shard group, then across replicas), SUM when there is one data-parallel rank in all (H13).
+            # H13 (HSDP reduction): `dist.all_reduce` the finished reduce-scatter's output in place across the
+            #   replicate group with `ReduceOp.AVG`, even over one replica (`SUM` only with one data-parallel rank
+            #   in all).
             op = dist.ReduceOp.AVG if self.world * self.replicate_group.size() > 1 else dist.ReduceOp.SUM
             work = dist.all_reduce(pending.output, op=op, group=self.replicate_group, async_op=True)
             # else: raise TodoError("TODO(bonus4): start the replica all-reduce")
@@ -667,6 +695,7 @@ class FSDPGroup:
         # region task1: finish the reduce-scatter
         # Each parameter reduced gets its slice of the output (where its gradient sat in the input),
         # in its own dtype.
+        # H8 (mixed precision, backward): the reduced gradients come out cast back to the parameter's dtype.
         output = pending.output.to(self.orig_dtype)
         start = 0
         for p in pending.params:
@@ -691,19 +720,44 @@ class RootContext:
         # set_is_last_backward(False): more backwards follow before the optimizer step (microbatches),
         # so backward keeps what forward recorded for prefetching.
         self.is_last_backward = is_last_backward
+        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
+        self.init_forward_order()
+        self.init_backward_order()
+
+    def init_forward_order(self) -> None:
+        """Task 2's state: what a forward remembers for the next one."""
         # region task2: what a forward remembers for the next one
         # Forward prefetch needs to know, before a group runs, which group ran after it last time.
+        # H10 (overlap): FSDP2 keeps at most the current group and the next one gathered.
         self.forward_order: list[FSDPGroup] = []       # pre-forward order of this forward
         self.last_forward_order: list[FSDPGroup] = []  # ... and of the previous one
         # endregion
+
+    def init_backward_order(self) -> None:
+        """Task 3's state: what backward needs from forward, and the reduce-scatter in flight."""
         # region task3: what backward needs from forward, and the reduce-scatter in flight
         # Backward runs the groups in reverse, and a reduce-scatter may still be running while the
         # next group's backward computes.
+        # H11 (backward order): autograd runs the groups' backward in the reverse of the order in which their
+        #   forwards finished (post-forward), and a group that ran twice runs backward twice.
         self.post_forward_order: list[FSDPGroup] = []  # post-forward order of this step's forwards
         self.backward_positions: dict[FSDPGroup, list[int]] = {}  # a group's places in that order
         self.pending_reduce: PendingReduce | None = None
         # endregion
-        self.pending_all_reduce: PendingAllReduce | None = None  # HSDP: a replica all-reduce in flight
+
+    def finish_all_reduce(self) -> None:
+        """HSDP: finish the replica all-reduce in flight, if any: before the next group's starts (its
+        buffers are not kept longer than FSDP2 keeps them) and at the end of backward."""
+        if self.pending_all_reduce is None:
+            return
+        # region bonus4: finish the replica all-reduce in flight
+        # It sets that group's gradients, which the optimizer reads; as task 3 does with the reduce-scatters.
+        # H13 (HSDP reduction): only once the all-reduce is finished are the gradients cast back and handed out,
+        #   before the optimizer reads them.
+        self.pending_all_reduce, pending = None, self.pending_all_reduce
+        pending.finish()
+        # else: raise TodoError("TODO(bonus4): finish the replica all-reduce still in flight")
+        # endregion
 
 
 class FSDPState:
@@ -799,6 +853,8 @@ class FSDPState:
             # region task2: forward prefetch
             # Prefetch the group that will run after this one, so that its all-gather runs while
             # this group computes; it is waited for where it is used (H10).
+            # H10 (overlap): a collective started with `async_op=True` runs while Python goes on; wait for it where its
+            #   result is first needed. FSDP2 keeps at most the current group and the next one gathered.
             if self.is_root:  # a new forward begins
                 ctx.last_forward_order, ctx.forward_order = ctx.forward_order or ctx.last_forward_order, []
             ctx.forward_order.append(self.group)
@@ -833,15 +889,21 @@ class FSDPState:
         if not torch.is_grad_enabled():
             return self.cast_output(output)
         if self.group is not None:
-            # region task3: remember where this group ran, for backward
-            # Backward visits the groups in the reverse of the order in which forward finished them.
-            self.ctx.backward_positions.setdefault(self.group, []).append(len(self.ctx.post_forward_order))
-            self.ctx.post_forward_order.append(self.group)
-            # endregion
+            self.record_backward_position()
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(self.pre_backward)
         return self.cast_output(output)
+
+    def record_backward_position(self) -> None:
+        """This group's forward finished: where it stands in the order backward reverses."""
+        # region task3: remember where this group ran, for backward
+        # Backward visits the groups in the reverse of the order in which forward finished them.
+        # H11 (backward order): backward runs the groups in the reverse of the order in which their forwards
+        #   finished, and a group that ran twice runs backward twice.
+        self.ctx.backward_positions.setdefault(self.group, []).append(len(self.ctx.post_forward_order))
+        self.ctx.post_forward_order.append(self.group)
+        # endregion
 
     def cast_output(self, output: Any) -> Any:
         """MixedPrecisionPolicy.output_dtype: cast after the pre-backward hooks are in place, so the
@@ -871,6 +933,7 @@ class FSDPState:
             # region task3: finish a reduce-scatter that is already done
             # Its buffers (gloo's copy of the input included) are freed before this group's
             # all-gather allocates more; one still running is left to run.
+            # H10 (overlap): a collective runs while Python goes on; `PendingReduce.done()` asks without waiting.
             if ctx.pending_reduce is not None and ctx.pending_reduce.done():
                 ctx.pending_reduce, pending = None, ctx.pending_reduce
                 pending.finish()
@@ -878,16 +941,23 @@ class FSDPState:
             self.group.unshard()  # no-op if prefetched or never resharded
             self.group.wait_for_unshard()
             if not self.backward_prefetch:  # set_modules_to_backward_prefetch replaces it, as in FSDP2
-                # region task3: backward prefetch
-                # Prefetch the group whose backward runs next, so that its all-gather runs while this
-                # group's backward computes (H11).
-                positions = ctx.backward_positions.get(self.group)
-                index = positions.pop() if positions else 0
-                if index > 0:
-                    ctx.post_forward_order[index - 1].prefetch()
-                # endregion
+                self.prefetch_next_backward()
             _prefetch(self.backward_prefetch)
         return grad
+
+    def prefetch_next_backward(self) -> None:
+        """Start gathering the group whose backward runs after this one's."""
+        # region task3: backward prefetch
+        # Prefetch the group whose backward runs next, so that its all-gather runs while this
+        # group's backward computes (H11).
+        # H11 (backward order): backward runs the groups in the reverse of the order in which their forwards
+        #   finished, and a group that ran twice runs backward twice.
+        ctx = self.ctx
+        positions = ctx.backward_positions.get(self.group)
+        index = positions.pop() if positions else 0
+        if index > 0:
+            ctx.post_forward_order[index - 1].prefetch()
+        # endregion
 
     @torch.compiler.disable
     def post_backward(self) -> None:
@@ -904,27 +974,41 @@ class FSDPState:
                 group.reshard()
             # else: group.reshard()
             # endregion
-            # region bonus3: skip the reduce-scatter without gradient sync
-            # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
-            if not group.reduce_grads:
-                for p in group.params:
-                    p.accumulate_grad()
+            if self.accumulate_grads():
                 return
-            # endregion
-            # region task3: at most one reduce-scatter in flight
-            # As in FSDP2, the previous one's buffers are freed before this one's are allocated.
-            if self.ctx.pending_reduce is not None:
-                self.ctx.pending_reduce, pending = None, self.ctx.pending_reduce
-                pending.finish()
-            # endregion
-            pending = group.reduce_scatter()
-            if pending is None:
-                return
-            # region task3: leave the reduce-scatter in flight
-            # It runs while the next group's backward computes; something must finish it later.
-            self.ctx.pending_reduce = pending
-            # else: pending.finish()
-            # endregion
+            self.reduce_grads()
+
+    def accumulate_grads(self) -> bool:
+        """Without gradient sync (set_requires_gradient_sync(False)): keep the full gradients for a later
+        backward instead of reducing them. Whether it did."""
+        # region bonus3: skip the reduce-scatter without gradient sync
+        # Keep the full gradients instead: the next synced backward reduces their sum once (H9).
+        # H9 (accumulation): without gradient sync the full gradients accumulate (`FSDPParam.accumulate_grad`)
+        #   and are reduced once, at the next synced backward.
+        if not self.group.reduce_grads:
+            for p in self.group.params:
+                p.accumulate_grad()
+            return True
+        # endregion
+        return False
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter this group's gradients."""
+        # region task3: one reduce-scatter in flight, left running
+        # Finish the previous one first (FSDP2 frees its buffers before this one's are allocated), then
+        # leave this one running while the next group's backward computes: something finishes it later.
+        # H10 (overlap): a collective started with `async_op=True` runs while Python goes on; wait for it where
+        #   its result is first needed.
+        ctx = self.ctx
+        if ctx.pending_reduce is not None:
+            ctx.pending_reduce, pending = None, ctx.pending_reduce
+            pending.finish()
+        pending = self.group.reduce_scatter()
+        if pending is not None:
+            ctx.pending_reduce = pending
+        # else: if (pending := self.group.reduce_scatter()) is not None:
+        # else:     pending.finish()
+        # endregion
 
     @torch.compiler.disable
     def final_callback(self) -> None:
@@ -937,6 +1021,7 @@ class FSDPState:
                     state.post_backward()
             # region task3: nothing may stay in flight after backward
             # The optimizer reads the sharded gradients next, and the next backward starts afresh.
+            # H10 (overlap): wait for a collective where its result is first needed: here, the optimizer's step.
             if ctx.pending_reduce is not None:
                 ctx.pending_reduce, pending = None, ctx.pending_reduce
                 pending.finish()
@@ -944,13 +1029,7 @@ class FSDPState:
                 ctx.post_forward_order.clear()
                 ctx.backward_positions.clear()
             # endregion
-            if ctx.pending_all_reduce is not None:  # HSDP
-                # region bonus4: wait for the last replica all-reduce
-                # The optimizer reads the gradients it sets.
-                ctx.pending_all_reduce, pending_all_reduce = None, ctx.pending_all_reduce
-                pending_all_reduce.finish()
-                # else: raise TodoError("TODO(bonus4): finish the last replica all-reduce")
-                # endregion
+            ctx.finish_all_reduce()  # HSDP: the last replica all-reduce; the optimizer reads what it sets
             for state in ctx.states:
                 if state.group is not None:
                     state.group.discard_pending_gather()

@@ -7,15 +7,19 @@
 In the solution, each piece of the exercise sits between two comment lines:
 
     # region task1: the piece to write, in a few words
-    # what it must achieve and why (at most two lines; the README's Hints hold the facts)
+    # what it must achieve and why (at most two lines)
+    # H1 (rows): the README hint it needs, in short: its number and name as in the README's Hints,
+    #   then the essential fact (continued on lines indented by two spaces; notes: at most 4 lines)
     ...the reference code...
     # else: code the student file runs instead (optional, one line each)
     # endregion
 
-In the skeleton the region becomes its hint as a `# TODO(task1): ...` comment, followed by
+In the skeleton the region becomes its hint and notes as a `# TODO(task1): ...` comment, followed by
 `raise TodoError("TODO(task1): ...")` for the required task (task1), or by the
-`# else:` lines, if any, for the optional ones (task2, task3, bonus1-3): a file with only
-task 1 done then trains correctly, just without overlap or the bonus features.
+`# else:` lines, if any, for the optional ones (task2, task3, bonus1-4): a file with only
+task 1 done then trains correctly, just without overlap or the bonus features. Where the
+block goes on after the region, a comment says to replace only the raise (or the stand-in):
+the lines below it are given.
 
 `render(..., strip=...)` also makes variants of the solution with chosen regions stripped:
 the tests use them to prove each check fails without the feature it checks.
@@ -39,6 +43,11 @@ TAGS = ("task1", "task2", "task3", "bonus1", "bonus2", "bonus3", "bonus4")
 OPEN = re.compile(r"^(?P<indent>\s*)# region (?P<tag>\w+): (?P<hint>.*)$")
 ELSE = re.compile(r"^\s*# else: (?P<code>.*)$")
 CLOSE = re.compile(r"^\s*# endregion\s*$")
+# A region's note of a README hint: `H6 (mixed precision, forward): ...`, continued on lines
+# that start with two spaces (both as they are after the `# `).
+NOTE = re.compile(r"^H(?P<number>\d+) \((?P<name>[^)]+)\): ")
+NOTE_MORE = "  "
+REPLACE_RAISE = "replace only the raise below with your code; the lines after it are given"
 
 # The solution's docstring ends with SOLUTION_NOTE; the student's with STUDENT_NOTE.
 SOLUTION_NOTE = """\
@@ -99,20 +108,33 @@ def render(source: str, strip: set[str] | frozenset[str] = frozenset(TAGS)) -> s
         if tag not in strip:
             out.extend(body)
             continue
-        out.extend(_todo(region, needs_statement=_opens_block(out) and _closes_block(lines, i, indent)))
+        out.extend(_todo(region, needs_statement=_opens_block(out) and _closes_block(lines, i, indent),
+                         followed=_function_goes_on(out, lines, i, indent)))
     return "\n".join(out) + "\n"
 
 
-def _todo(region: Region, needs_statement: bool) -> list[str]:
+def _todo(region: Region, needs_statement: bool, followed: bool) -> list[str]:
+    """The TODO comment (hint and notes), then the raise, the stand-in or nothing. `followed`: given
+    lines come after it in the same block, which the student must not mistake for part of the TODO."""
     ind = region.indent
     lines = [f"{ind}# TODO({region.tag}): {region.hint[0]}"] + [f"{ind}# {h}" for h in region.hint[1:]]
     if region.tag in REQUIRED:
         # One short line: the piece to write. The hint is in the comment right above the raise.
         message = f"TODO({region.tag}): {region.hint[0]}".replace("\\", "\\\\").replace('"', '\\"')
-        return lines + [f'{ind}raise TodoError("{message}")']
+        return lines + ([f"{ind}# {REPLACE_RAISE}"] if followed else []) + [f'{ind}raise TodoError("{message}")']
     if region.fallback:
-        return lines + [f"{ind}# stand-in until this TODO is done (replace it):"] + [ind + code for code in region.fallback]
+        n = len(region.fallback)
+        what = ("replace only the next line; the lines after it" if n == 1 else
+                f"replace only the next {n} lines; the lines after them") + " are given"
+        return (lines + [f"{ind}# stand-in until this TODO is done ({what if followed else 'replace it'}):"]
+                + [ind + code for code in region.fallback])
     return lines + ([f"{ind}pass"] if needs_statement else [])
+
+
+def split_hint(hint: list[str]) -> tuple[list[str], list[str]]:
+    """A region's comment lines after its name: (what and why, the notes of README hints)."""
+    first = next((k for k, line in enumerate(hint) if NOTE.match(line)), len(hint))
+    return hint[:first], hint[first:]
 
 
 def _opens_block(out: list[str]) -> bool:
@@ -121,6 +143,16 @@ def _opens_block(out: list[str]) -> bool:
         code = line.split("#", 1)[0].rstrip()
         if code:
             return code.endswith(":")
+    return False
+
+
+def _function_goes_on(out: list[str], lines: list[str], i: int, indent: str) -> bool:
+    """Whether the function around the region has code after position i (given lines that follow it)."""
+    def_indent = next((len(line) - len(line.lstrip()) for line in reversed(out)
+                       if line.lstrip().startswith("def ") and len(line) - len(line.lstrip()) < len(indent)), -1)
+    for line in lines[i:]:
+        if line.strip():
+            return len(line) - len(line.lstrip()) > def_indent
     return False
 
 
