@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TOP_LEVEL_PYTHON = {"fsdp.py", "train.py", "test.py", "conftest.py"}
 
@@ -209,10 +211,21 @@ def test_moved_commands_lead_to_their_modules():
 
     assert MOVED, "harness.tools.MOVED is empty"
     for old, new in MOVED.items():
-        assert importlib.util.find_spec(old) is None, f"{old} is still a module"
+        with pytest.raises(ModuleNotFoundError, match=f"{old} moved to {new}"):  # no module, and says where it went
+            importlib.util.find_spec(old)
         assert new.startswith(f"{TOOLS}.") and new.split(".")[2] in PACKAGES, new
         assert importlib.util.find_spec(new) is not None, f"{old} moved to {new}, which is no module"
     assert not (old := sorted(set(commands_named()) & set(MOVED))), f"pages still run the old commands {old}"
     page = (ROOT / "docs" / "grading.md").read_text()
     table = dict(re.findall(r"^\| `(harness\.tools\.\w+)` \| `(harness\.tools\.\w+\.\w+)` \|$", page, re.M))
     assert table == MOVED, "docs/grading.md's table of moved commands is not harness.tools.MOVED"
+
+
+def test_an_old_command_says_where_it_went():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "harness.tools.grade", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "harness.tools.grade moved to harness.tools.submissions.grade: run " \
+        "`python -m harness.tools.submissions.grade`" in proc.stderr, proc.stderr

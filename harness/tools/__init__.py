@@ -6,9 +6,14 @@ imports them. Four packages, each run as `uv run python -m harness.tools.<packag
   lab/          the writeup's measurements: the report, the benchmark, the initialisation peak
   submissions/  what graders and students run on a hand-in: points, grade, handin, similarity, Gradescope
 
-Importing this package imports nothing. MOVED is the table of the commands that used to be
-`harness.tools.<tool>`, before the tools were split into these packages (docs/grading.md, "Commands moved").
+MOVED is the table of the commands that used to be `harness.tools.<tool>`, before the tools were split
+into these packages (docs/grading.md, "Commands moved"): such an old command still runs nothing, but
+says where it went (`python -m harness.tools.grade` ends with "harness.tools.grade moved to
+harness.tools.submissions.grade: run `python -m harness.tools.submissions.grade`").
 """
+
+import importlib.abc
+import sys
 
 MOVED = {
     "harness.tools.analysis": "harness.tools.traces.analysis",
@@ -23,3 +28,16 @@ MOVED = {
     "harness.tools.similarity": "harness.tools.submissions.similarity",
 }
 """Old command (`python -m` module) -> where it is now."""
+
+
+class _MovedCommands(importlib.abc.MetaPathFinder):
+    """Asked last, for a module no other finder found: an old command's says where it went."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in MOVED:
+            raise ModuleNotFoundError(f"{name} moved to {MOVED[name]}: run `python -m {MOVED[name]}`", name=name)
+        return None
+
+
+if not any(isinstance(f, _MovedCommands) for f in sys.meta_path):
+    sys.meta_path.append(_MovedCommands())
