@@ -133,3 +133,51 @@ def comm_volume(groups: Groups, world: int) -> dict[str, tuple[int, int]]:
 def all_gathers(groups: Groups, reshard_after_forward: bool) -> int:
     """All-gathers per step: every group in forward; the blocks again in backward when resharded."""
     return len(groups) + (len(groups) - 1 if reshard_after_forward else 0)
+
+
+# --------------------------------------------------------------------------- HSDP: bytes per link
+
+SHARD_LINK, REPLICATE_LINK = "shard", "replicate"
+"""The two process groups of a (replicate, shard) mesh: a rank's shard group (its row: all-gathers and
+reduce-scatters; the whole world on a 1-D mesh) and its replicate group (its column: HSDP's all-reduce)."""
+
+
+def link_volume(groups: Groups, world: int, replicate: int = 1, itemsize: int = 4) -> dict[tuple[str, str], tuple[int, int]]:
+    """(link, kind) -> (count, bytes of the tensor each rank puts into them) per step, with
+    reshard_after_forward, on a (replicate, world/replicate) mesh: within the shard group of S =
+    world/replicate ranks every group's padded 1/S shard is all-gathered in forward and, for the blocks,
+    again in backward (the all-gather's input), and its W/R x shard gradient buffer reduce-scattered once
+    (the reduce-scatter's input); across the replicate group (replicate > 1) the reduced 1/S shard of
+    every group is all-reduced once."""
+    shard = world // replicate
+    per_group = {k: group_bytes(shapes, shard, itemsize) // shard for k, shapes in groups.items()}
+    total, blocks_only = sum(per_group.values()), sum(per_group[k] for k in blocks(groups))
+    out = {}
+    if shard > 1:
+        out[SHARD_LINK, "all_gather"] = (len(groups) + len(blocks(groups)), total + blocks_only)
+        out[SHARD_LINK, "reduce_scatter"] = (len(groups), shard * total)
+    if replicate > 1:
+        out[REPLICATE_LINK, "all_reduce"] = (len(groups), total)
+    return out
+
+
+def sent_bytes(kind: str, group_size: int, tensor_bytes: float) -> float:
+    """Bytes one rank sends for a collective whose input on this rank is `tensor_bytes`, with the
+    bandwidth-optimal (ring) algorithms, nccl-tests' bus-bandwidth factors: an all-gather sends its
+    input to the n-1 others ((n-1)/n of the output); a reduce-scatter (n-1)/n of its input; an
+    all-reduce 2(n-1)/n of its tensor (a reduce-scatter, then an all-gather)."""
+    n = group_size
+    return {"all_gather": (n - 1) * tensor_bytes, "reduce_scatter": (n - 1) / n * tensor_bytes,
+            "all_reduce": 2 * (n - 1) / n * tensor_bytes}[kind]
+
+
+def closed_form_sent(groups: Groups, world: int, replicate: int, link: str, kind: str, itemsize: int = 4) -> float:
+    """sent_bytes per step from the parameter count alone (no padding): with P parameters, P_b of them in
+    the blocks, b bytes each, S = world/replicate and R = replicate: all-gathers (S-1)/S (P + P_b) b
+    (forward, and the blocks again in backward), reduce-scatters (S-1)/S P b, replica all-reduces
+    2(R-1)/R P/S b."""
+    p, s, r = numel(groups), world // replicate, replicate
+    p_blocks = sum(math.prod(shape) for k in blocks(groups) for shape in groups[k])
+    if link == SHARD_LINK:
+        return (s - 1) / s * ((p + p_blocks) if kind == "all_gather" else p) * itemsize
+    return 2 * (r - 1) / r * p / s * itemsize

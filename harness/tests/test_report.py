@@ -19,7 +19,7 @@ from harness.tools.lab import report, report_jobs
 from harness import impl as impl_module
 from harness.memory_model import PerRank
 from harness.tools.lab.report_results import (
-    Environment, MemoryRow, Parts, Report, Reshard, StepTime, Volume, check, timing_warnings,
+    Environment, LinkVolume, MemoryRow, MeshTime, Parts, Report, Reshard, StepTime, Volume, check, timing_warnings,
 )
 from harness.errors import ConfigError
 from harness.tests.test_platform import skip_unfinished
@@ -43,6 +43,12 @@ def good_report() -> Report:
         losses={"fsdp2": [8.0, 7.5], "effdl": [8.0, 7.5], "noprefetch": [8.0, 7.5]},
         memory=[MemoryRow(world=2, run="effdl", measured=1000, model=model, parts=parts,
                           rank_sums=dataclasses.replace(parts, params_numel=19))],
+        hsdp_volume=[LinkVolume("effdl", 2, "replicate", 2, "all_reduce", measured_count=3.0, measured_bytes=64.0,
+                                analytic_count=3, analytic_bytes=64, closed_form=64.0),
+                     LinkVolume("effdl", 2, "shard", 2, "all_gather", measured_count=5.0, measured_bytes=96.0,
+                                analytic_count=5, analytic_bytes=96, closed_form=96.0)],
+        hsdp_time=[MeshTime("effdl", 1, 10.0, 1.0), MeshTime("effdl", 2, 9.0, 0.9)],
+        hsdp_losses={"fsdp2 2": [8.0, 7.5], "effdl 2": [8.0, 7.5]},
     )
 
 
@@ -71,6 +77,11 @@ def test_check_passes_good_numbers():
     (lambda r: r.losses["effdl"].__setitem__(1, math.nan), "non-finite"),
     (lambda r: r.losses["noprefetch"].__setitem__(1, 7.5000001), "noprefetch: losses [8.0, 7.5000001] are not bit-identical"),
     (lambda r: changed(r, "memory", measured=0), "measured peak 0 B"),
+    # HSDP: the replica all-reduce of the whole gradient buffer instead of the 1/S shard; one all-reduce missing
+    (lambda r: changed(r, "hsdp_volume", measured_bytes=128.0),
+     "HSDP effdl replicate=2 all_reduce on the replicate group: measured 3 collectives, 128 B"),
+    (lambda r: changed(r, "hsdp_volume", measured_count=2.0), "measured 2 collectives"),
+    (lambda r: r.hsdp_losses["effdl 2"].__setitem__(1, 7.25), "HSDP replicate=2 effdl: losses [8.0, 7.25] are not"),
     (lambda r: changed(r, "memory", parts=parts(grads=80)), "measured grads 80 B on the largest rank, analytic 40 B"),
     (lambda r: changed(r, "memory", parts=parts(optimizer_state=120)), "measured optimizer state 120 B"),
     (lambda r: changed(r, "memory", rank_sums=parts(params_numel=20)), "shards hold 20 elements, the model has 19"),
@@ -115,6 +126,49 @@ def test_report_and_fit_share_one_memory_model(world):
     assert estimate["parameters, gradients, AdamW state (float32)"] == model.sharded_state
     assert estimate["gathered groups and their full gradients"] == 2 * model.gathered_params
     assert model.comm_buffers == 2 * memory_model.reduce_scatter_input_bytes(groups["layers.0"], world, torch.float32)
+
+
+def test_analytic_link_volume():
+    """Per rank per step on a (replicate, world/replicate) mesh: all-gathers and reduce-scatters within the shard
+    group, the replica all-reduce of the 1/S shard across replicas; the ring factors turn tensors into bytes sent."""
+    groups = {"<root>": [(5, 3)], "layers.0": [(4,)]}
+    # 1-D over 4 ranks: shards of 2 x 3 and 1 elements (5 rows pad to 2 per rank), 4 bytes each.
+    assert memory_model.link_volume(groups, 4) == {("shard", "all_gather"): (3, 4 * (6 + 1 + 1)),
+                                                    ("shard", "reduce_scatter"): (2, 4 * 4 * 7)}
+    # 2 x 2: shards of 3 x 3 and 2 elements; one all-reduce per group of the reduced shard.
+    assert memory_model.link_volume(groups, 4, 2) == {("shard", "all_gather"): (3, 4 * (9 + 2 + 2)),
+                                                       ("shard", "reduce_scatter"): (2, 2 * 4 * 11),
+                                                       ("replicate", "all_reduce"): (2, 4 * 11)}
+    assert memory_model.sent_bytes("all_gather", 4, 10) == 30
+    assert memory_model.sent_bytes("reduce_scatter", 4, 40) == 30
+    assert memory_model.sent_bytes("all_reduce", 2, 40) == 40
+    # Without padding (4 rows on 2 ranks) the closed form is the padded model's bytes sent.
+    even = {"<root>": [(4, 3)], "layers.0": [(8,)]}
+    for (link, kind), (_, nbytes) in memory_model.link_volume(even, 4, 2).items():
+        size = 2  # S = R = 2
+        assert memory_model.closed_form_sent(even, 4, 2, link, kind) == memory_model.sent_bytes(kind, size, nbytes)
+
+
+def test_hsdp_bytes_measured_equal_analytic(impl):
+    """A tiny HSDP run (2 replicas of 2 ranks, one block): the collectives the report's link_job records per link
+    equal memory_model.link_volume's exactly, and a doctored measurement fails the report's check."""
+    from harness.tools.grading.ranks import RankPool
+
+    skip_unfinished(impl)
+    cfg = train.Config(fsdp="effdl", impl=str(impl_module.impl_path(impl)), model="debug", seq_len=32, batch_size=1,
+                       num_steps=2, log=False, device="cpu", n_layers=1, dim=64, n_heads=4, replicate=2)
+    groups = memory_model.model_groups("debug", 32, 2048, n_layers=1, dim=64, n_heads=4)
+    with RankPool(4, device="cpu", role="own") as pool:
+        per_rank = pool.run(report_jobs.link_job, cfg)
+    analytic = memory_model.link_volume(groups, 4, 2)
+    assert all(measured == {k: (float(c), float(b)) for k, (c, b) in analytic.items()} for measured in per_rank), per_rank
+    r = good_report()
+    (count, nbytes) = per_rank[0]["replicate", "all_reduce"]
+    r.hsdp_volume = [LinkVolume("effdl", 2, "replicate", 2, "all_reduce", count, nbytes,
+                                *analytic["replicate", "all_reduce"], 0.0)]
+    assert check(r) == []
+    r.hsdp_volume[0] = dataclasses.replace(r.hsdp_volume[0], measured_bytes=nbytes * 2)  # the whole buffer all-reduced
+    assert len(check(r)) == 1 and "on the replicate group" in check(r)[0]
 
 
 def test_measuring_leaves_torch_as_it_was():
@@ -164,10 +218,10 @@ def test_quick_report_end_to_end(impl, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "harness.tools.lab.report", "--impl", str(path), "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[12/12]" in proc.stdout  # the progress display ran to the end
+    assert "[13/13]" in proc.stdout  # the progress display ran to the end
     md = (tmp_path / "report.md").read_text()
     for section in ("## Environment", "## Memory per rank", "### Collective microbenchmark", "### Bytes per training step",
-                    "## Step time", "## Overlap", "## reshard_after_forward", "## Weak scaling", "## Loss curves", "## Memory timeline"):
+                    "## Step time", "## Overlap", "## reshard_after_forward", "## HSDP", "## Weak scaling", "## Loss curves", "## Memory timeline"):
         assert section in md
     for png in ("memory", "comm_bandwidth", "overlap", "weak_scaling", "loss", "memory_timeline"):
         assert (tmp_path / f"{png}.png").stat().st_size > 10_000, png
@@ -191,6 +245,11 @@ def test_quick_report_end_to_end(impl, tmp_path):
     # The activations FSDP2 and the hand-written FSDP save are the same tensors.
     act = {(r["world"], r["run"]): r["parts"]["activations"] for r in data["memory"]}
     assert len(set(act.values())) == 1, act
+    for row in data["hsdp_volume"]:
+        assert (row["measured_count"], row["measured_bytes"]) == (row["analytic_count"], row["analytic_bytes"])
+    assert {(r["replicate"], r["link"], r["kind"]) for r in data["hsdp_volume"]} == {
+        (1, "shard", "all_gather"), (1, "shard", "reduce_scatter"),
+        (2, "shard", "all_gather"), (2, "shard", "reduce_scatter"), (2, "replicate", "all_reduce")}
     assert sorted({r["world"] for r in data["comm_bench"]}) == [2, 4]
     for r in data["comm_bench"]:
         assert r["busbw"] == pytest.approx(r["algbw"] * (r["world"] - 1) / r["world"])

@@ -45,10 +45,10 @@ from harness.tools.traces.collectives import measured_volume
 from harness.distributed import pool_device
 from harness.errors import FAILED, stop
 from harness.tools.grading.ranks import RankPool, run_tool
-from harness.tools.lab.report_jobs import comm_job, timeline_job, train_job
+from harness.tools.lab.report_jobs import comm_job, link_job, timeline_job, train_job
 from harness.tools.lab.report_results import (
-    CommBench, Environment, MemoryRow, Parts, Plan, Report, Reshard, StepTime, Timeline, Volume, Weak, check,
-    timing_warnings,
+    CommBench, Environment, LinkVolume, MemoryRow, MeshTime, Parts, Plan, Report, Reshard, StepTime, Timeline, Volume,
+    Weak, check, timing_warnings,
 )
 from harness.tools.lab.report_render import render
 from harness.tools.traces.trace import KINDS
@@ -83,6 +83,9 @@ FULL = Plan({}, 256, 2, 4, 3, (1, 2, 4),
             tuple(4 * 2**10 * 4**i for i in range(6)) + (32 * MiB,), 10, 2, (2, 4))
 # The speed, trace and reshard sections run at this world size.
 WORLD = 2
+# The HSDP section: FSDP over HSDP_WORLD ranks (a 1-D mesh) against HSDP_REPLICATE replicas of
+# HSDP_WORLD / HSDP_REPLICATE shards (train.Config.replicate).
+HSDP_WORLD, HSDP_REPLICATE = 4, 2
 
 
 def environment() -> Environment:
@@ -201,6 +204,37 @@ class Sections:
         self.progress(f"weak scaling W={w} ({layers} blocks)")
         return rows, bench
 
+    def hsdp(self) -> tuple[list[LinkVolume], list[MeshTime], dict[str, list[float]]]:
+        """At HSDP_WORLD: FSDP2 and the FSDP under test on the 1-D mesh and on the (HSDP_REPLICATE,
+        HSDP_WORLD / HSDP_REPLICATE) mesh: bytes per link from one observed run each (CommLog), step times
+        from unobserved runs interleaved (A B C D, D C B A, ...), and the losses of the first of those."""
+        w, layouts = HSDP_WORLD, (1, HSDP_REPLICATE)
+        cfgs = {(name, r): dataclasses.replace(self.cfgs[name], replicate=r) for name in ("fsdp2", "effdl") for r in layouts}
+        volume, times, losses = [], {k: [] for k in cfgs}, {}
+        with RankPool(w, device=self.device, role="own") as pool:
+            self.warm_up(pool, cfgs["fsdp2", 1])
+            for (name, r), cfg in cfgs.items():
+                per_rank = pool.run(link_job, dataclasses.replace(cfg, num_steps=2))
+                measured = {key: tuple(sum(x[key][i] if key in x else 0 for x in per_rank) / w for i in (0, 1))
+                            for key in {k for x in per_rank for k in x}}
+                analytic = memory_model.link_volume(self.groups, w, r)
+                for link, kind in sorted(set(measured) | set(analytic)):
+                    size = w // r if link == memory_model.SHARD_LINK else r
+                    volume.append(LinkVolume(name, r, link, size, kind, *measured.get((link, kind), (0.0, 0.0)),
+                                             *analytic.get((link, kind), (0, 0)),
+                                             memory_model.closed_form_sent(self.groups, w, r, link, kind)))
+            order = list(cfgs)
+            for rep in range(self.plan.repeats):
+                for key in (order if rep % 2 == 0 else order[::-1]):
+                    res = pool.run(train_job, cfgs[key])
+                    times[key].append(slowest_median_step(res))
+                    if rep == 0:
+                        losses[f"{key[0]} {key[1]}"] = res[0].losses
+        rows = [MeshTime(name, r, statistics.median(t) * 1e3, statistics.median(t) / statistics.median(times[name, 1]))
+                for (name, r), t in times.items()]
+        self.progress(f"HSDP W={w}: 1-D mesh and {HSDP_REPLICATE} x {w // HSDP_REPLICATE}, bytes per link and step time")
+        return volume, rows, losses
+
     def memory(self, w: int, earlier: list[MemoryRow]) -> tuple[list[MemoryRow], dict[str, int], Timeline | None]:
         """Peak and parts per rank at world size w, with --exact-cpu-memory; at WORLD also the peaks
         with reshard_after_forward False (run -> peak) and rank 0's memory timeline."""
@@ -259,6 +293,8 @@ def measure(args: Args, plan: Plan, device: str, out: Path, progress: Progress) 
         kept_peaks.update(peaks)
         report.timeline = timeline or report.timeline
 
+    report.hsdp_volume, report.hsdp_time, report.hsdp_losses = sections.hsdp()
+
     resharded_peaks = {r.run: r.measured for r in report.memory if r.world == WORLD}
     report.reshard = [Reshard(run, reshard, *all_gathers[run, reshard], memory_model.all_gathers(groups, reshard),
                               resharded_peaks[run] if reshard else kept_peaks[run])
@@ -273,7 +309,7 @@ def main(args: Args) -> int:
     assets.ensure(ROOT)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    progress = Progress(total=2 * len(plan.worlds) + 6)
+    progress = Progress(total=2 * len(plan.worlds) + 7)
     print(f"report: {path} on {device}; {'quick' if args.quick else 'full'}; out {out}", flush=True)
     report = measure(args, plan, device, out, progress)
     checks, warnings = check(report), timing_warnings(report)

@@ -211,3 +211,36 @@ def comm_job(sizes: tuple[int, ...], iters: int) -> list[CommBench]:
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def link_job(cfg: train.Config) -> dict[tuple[str, str], tuple[float, float]]:
+    """This rank's collectives per step, by the link they run on: (link, kind) -> (count, bytes of the
+    tensor this rank puts in), mean over the steps. Recorded by the graded checks' CommLog (every
+    all-gather and reduce-scatter, and every all-reduce in backward: HSDP's replica all-reduce, not the
+    loss's or the grad norm's) with its process group's ranks: the shard group (this rank's row of the
+    (replicate, world/replicate) mesh; the whole world on a 1-D mesh) is memory_model.SHARD_LINK, the
+    replicate group (its column) REPLICATE_LINK, any other group its ranks."""
+    import torch.distributed as dist
+
+    from harness.memory_model import REPLICATE_LINK, SHARD_LINK
+    from harness.tools.grading.jobs import CommLog
+
+    log = CommLog()
+
+    def inspect(model, step: int) -> None:
+        log.step = step + 1
+
+    with log:
+        train.train(cfg, inspect=inspect)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = world // cfg.replicate
+    row = tuple(range(rank // shard * shard, rank // shard * shard + shard))
+    column = tuple(range(rank % shard, world, shard))
+    out: dict[tuple[str, str], list[float]] = {}
+    for (step, _, kind, _, nbytes), ranks in zip(log.events, log.groups):
+        if 1 <= step <= cfg.num_steps:
+            link = SHARD_LINK if ranks == row else REPLICATE_LINK if ranks == column else f"ranks {ranks}"
+            count = out.setdefault((link, kind), [0, 0])
+            count[0] += 1
+            count[1] += nbytes
+    return {key: (c / cfg.num_steps, b / cfg.num_steps) for key, (c, b) in out.items()}

@@ -32,12 +32,15 @@ def render(out: Path, report: Report, checks: list[str], warnings: list[str]) ->
     md += step_time_section(report)
     md += overlap_section(out, cmd)
     md += reshard_section(report)
+    md += hsdp_section(report)
     md += weak_section(out, report, cmd)
     md += loss_section(out, report, cmd)
     md += timeline_section(out, report, cmd)
     md += ["## Checks", ""] + ([f"- FAILED: {p}" for p in checks] or
                                ["- measured collective counts and bytes equal the analytic volume",
                                 "- all-gathers per step equal the analytic count, reshard_after_forward True and False",
+                                "- HSDP: collectives and bytes per step on each link (shard group, replicate group) "
+                                "equal the analytic ones, FSDP and HSDP; losses bit-identical to FSDP2's on each mesh",
                                 "- losses bit-identical: FSDP2, hand-written with and without prefetch",
                                 "- measured shards, gradients and optimizer state equal the analytic bytes; the "
                                 "ranks' shards hold every parameter element once",
@@ -176,6 +179,71 @@ def reshard_section(report: Report) -> list[str]:
     for r in report.reshard:
         md.append(f"| {NAMES[r.run]} | {r.reshard_after_forward} | {r.all_gathers:g} / {r.analytic_all_gathers} | "
                   f"{r.all_gather_bytes / MiB:.3f} | {mib(r.peak)} |")
+    return md
+
+
+def hsdp_section(report: Report) -> list[str]:
+    """FSDP on a 1-D mesh against HSDP on a (replicate, shard) mesh, same world size."""
+    if not report.hsdp_volume:
+        return []
+    rows, times = report.hsdp_volume, report.hsdp_time
+    w = next(r.group_size for r in rows if r.replicate == 1 and r.link == "shard")
+    hsdp = max(r.replicate for r in rows)
+    s = w // hsdp
+    md = ["", f"## HSDP (W={w}): FSDP over {w} ranks against {hsdp} replicas of {s}", "",
+          f"FSDP shards every parameter over all {w} ranks (a 1-D mesh); HSDP (`train.py --replicate {hsdp}`) "
+          f"shards it over the {s} ranks of a shard group and keeps {hsdp} replicas of those shards: all-gathers and "
+          "reduce-scatters run within the shard group, then each rank all-reduces its reduced 1/S shard of the "
+          "gradients with the ranks at its place in the other replicas (its replicate group). **Measured**: every "
+          "collective of one observed run each (the graded checks' CommLog: the tensor each rank puts in and the "
+          "ranks of its process group; all-reduces in backward only, so the loss's and grad norm's are left out), "
+          "per step, mean over steps and ranks. **Analytic**: the padded shards of every FSDP group "
+          "(harness/memory_model.py `link_volume`); the check holds count and bytes equal exactly. **Sent per rank** "
+          "is the tensor times the ring algorithms' factor, nccl-tests' bus-bandwidth factors (all-gather: the shard "
+          "to each of the S-1 others; reduce-scatter: (S-1)/S of its input; all-reduce: 2(R-1)/R of its tensor), "
+          "applied to the measured and the analytic tensors alike: what NCCL sends; gloo on CPU runs a "
+          "reduce-scatter as an all-reduce of the whole buffer, so it sends about twice the reduce-scatter's share. "
+          "**Closed form**: with P parameters (P_b in the blocks), b = 4 bytes, S ranks per shard group and R "
+          "replicas, per step: all-gathers (S-1)/S x (P + P_b) x b (forward, and the blocks again in backward), "
+          "reduce-scatters (S-1)/S x P x b, replica all-reduces 2(R-1)/R x P/S x b; it leaves out the padding.", "",
+          "| FSDP | mesh | link (group size) | collective | count m / a | tensor MiB m / a | sent MiB per rank m / a "
+          "| closed form MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        mesh = f"1-D ({w})" if r.replicate == 1 else f"{r.replicate} x {w // r.replicate}"
+        md.append(f"| {NAMES[r.run]} | {mesh} | {r.link} ({r.group_size}) | {r.kind} | {r.measured_count:g} / "
+                  f"{r.analytic_count} | {r.measured_bytes / MiB:.3f} / {r.analytic_bytes / MiB:.3f} | "
+                  f"{r.sent / MiB:.3f} / {r.analytic_sent / MiB:.3f} | {r.closed_form / MiB:.3f} |")
+    md += ["", "Sent per rank per step, by link (MiB, measured):", "",
+           "| FSDP | mesh | within the shard group | across replicas | total |", "| --- | --- | --- | --- | --- |"]
+    for run in dict.fromkeys(r.run for r in rows):
+        for rep in sorted({r.replicate for r in rows if r.run == run}):
+            mine = [r for r in rows if r.run == run and r.replicate == rep]
+            shard = sum(r.sent for r in mine if r.link == "shard")
+            across = sum(r.sent for r in mine if r.link != "shard")
+            mesh = f"1-D ({w})" if rep == 1 else f"{rep} x {w // rep}"
+            md.append(f"| {NAMES[run]} | {mesh} | {shard / MiB:.3f} | {across / MiB:.3f} | {(shard + across) / MiB:.3f} |")
+    md += ["", f"Step time: median over {report.plan.repeats} interleaved run(s) of each run's median step "
+           "(the first step left out), the slowest rank; ratio to the same FSDP on the 1-D mesh. Timings only "
+           "ever warn.", "", "| FSDP | mesh | step (ms) | / 1-D |", "| --- | --- | --- | --- |"]
+    for t in times:
+        mesh = f"1-D ({w})" if t.replicate == 1 else f"{t.replicate} x {w // t.replicate}"
+        md.append(f"| {NAMES[t.run]} | {mesh} | {t.step_ms:.0f} | {t.ratio:.2f} |")
+    sent = {(r.run, rep): (sum(x.sent for x in rows if (x.run, x.replicate) == (r.run, rep) and x.link == "shard"),
+                           sum(x.sent for x in rows if (x.run, x.replicate) == (r.run, rep) and x.link != "shard"))
+            for r in rows for rep in (1, hsdp)}
+    run = "effdl" if ("effdl", 1) in sent else rows[0].run
+    (flat, _), (inner, across) = sent[run, 1], sent[run, hsdp]
+    md += ["", f"What it means: within its shard group a rank sends (S-1)/S of each gathered or reduced buffer, so "
+           f"going from S = {w} to S = {s} shrinks that share from {w - 1}/{w} to {s - 1}/{s}: here "
+           f"{flat / MiB:.3f} MiB per rank per step within the shard group on the 1-D mesh, {inner / MiB:.3f} MiB "
+           f"with HSDP. HSDP adds the cross-replica traffic, but only as one all-reduce per group of the reduced "
+           f"1/S shard of the gradients (2(R-1)/R x P/S x b per step, {across / MiB:.3f} MiB here); the parameters' "
+           f"all-gathers never leave the shard group. In all HSDP sends {(inner + across) / MiB:.3f} MiB per rank "
+           f"per step against {flat / MiB:.3f} MiB, and keeps the heavy, latency-bound traffic (every all-gather, "
+           f"forward and backward) inside the smaller group: on a cluster, inside a node, with only the all-reduce "
+           f"crossing the slower links between nodes. The price is memory: each rank holds 1/{s} of the model's "
+           f"state instead of 1/{w}. Here all ranks share one machine, so the step times show the collectives' "
+           "count and size, not a slower link between replicas."]
     return md
 
 

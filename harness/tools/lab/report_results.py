@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from harness.memory_model import PerRank
+from harness.memory_model import PerRank, sent_bytes
 
 # Field name -> the label report.md and report.json use.
 LABELS = {"sharded_params": "sharded params", "optimizer_state": "optimizer state", "gathered_params": "gathered params",
@@ -150,6 +150,48 @@ class Timeline:
 
 
 @dataclass(frozen=True)
+class LinkVolume:
+    """HSDP section: one collective on one link (a rank's shard group or its replicate group) per step,
+    per rank, measured (the collectives' tensors, mean over steps and ranks) and analytic."""
+
+    run: str
+    replicate: int
+    """1: FSDP over every rank (a 1-D mesh); R: HSDP, R replicas of world/R shards."""
+    link: str
+    """memory_model.SHARD_LINK or REPLICATE_LINK (a group that is neither: its ranks)."""
+    group_size: int
+    kind: str
+    measured_count: float
+    measured_bytes: float
+    """the tensor each rank puts in (all-gather: its shard; reduce-scatter: its full gradient buffer;
+    all-reduce: its reduced shard), summed over the step."""
+    analytic_count: int
+    analytic_bytes: int
+    closed_form: float
+    """sent per rank from the parameter count alone (memory_model.closed_form_sent)."""
+
+    @property
+    def sent(self) -> float:
+        """bytes this rank sends, ring algorithms (memory_model.sent_bytes), from the measured tensors."""
+        return sent_bytes(self.kind, self.group_size, self.measured_bytes)
+
+    @property
+    def analytic_sent(self) -> float:
+        return sent_bytes(self.kind, self.group_size, self.analytic_bytes)
+
+
+@dataclass(frozen=True)
+class MeshTime:
+    """HSDP section: one run's step time on its mesh."""
+
+    run: str
+    replicate: int
+    step_ms: float
+    ratio: float
+    """to the same FSDP's step on the 1-D mesh (replicate 1)."""
+
+
+@dataclass(frozen=True)
 class Environment:
     python: str
     torch: str
@@ -176,6 +218,10 @@ class Report:
     weak: list[Weak] = field(default_factory=list)
     losses: dict[str, list[float]] = field(default_factory=dict)
     """run -> loss per step, W=2."""
+    hsdp_volume: list[LinkVolume] = field(default_factory=list)
+    hsdp_time: list[MeshTime] = field(default_factory=list)
+    hsdp_losses: dict[str, list[float]] = field(default_factory=dict)
+    """"run replicate" (e.g. "effdl 2") -> loss per step, at the HSDP section's world size."""
     timeline: Timeline | None = None
 
 
@@ -191,6 +237,18 @@ def check(report: Report) -> list[str]:
             problems.append(f"{row.run} {row.kind}: measured {row.measured_count:g} collectives, "
                             f"{row.measured_bytes:,.0f} B per step; analytic {row.analytic_count}, "
                             f"{row.analytic_bytes:,} B")
+    for row in report.hsdp_volume:
+        if row.measured_count != row.analytic_count or row.measured_bytes != row.analytic_bytes:
+            problems.append(f"HSDP {row.run} replicate={row.replicate} {row.kind} on the {row.link} group: measured "
+                            f"{row.measured_count:g} collectives, {row.measured_bytes:,.0f} B per step per rank; "
+                            f"analytic {row.analytic_count}, {row.analytic_bytes:,} B")
+    for key, curve in report.hsdp_losses.items():
+        run, replicate = key.split()
+        if not all(math.isfinite(x) and x > 0 for x in curve):
+            problems.append(f"HSDP replicate={replicate} {run}: non-finite or non-positive loss {curve}")
+        elif run != "fsdp2" and curve != report.hsdp_losses.get(f"fsdp2 {replicate}"):
+            problems.append(f"HSDP replicate={replicate} {run}: losses {curve} are not bit-identical to FSDP2's "
+                            f"{report.hsdp_losses.get(f'fsdp2 {replicate}')}")
     for row in report.reshard:
         if row.all_gathers != row.analytic_all_gathers:
             problems.append(f"{row.run} reshard_after_forward={row.reshard_after_forward}: "
@@ -243,5 +301,7 @@ def to_json(report: Report, checks: list[str], warnings: list[str]) -> dict:
         step_time=[dataclasses.asdict(r) for r in report.step_time],
         reshard=[dataclasses.asdict(r) for r in report.reshard],
         weak=[dataclasses.asdict(r) for r in report.weak],
+        hsdp_volume=[dict(dataclasses.asdict(r), sent=r.sent, analytic_sent=r.analytic_sent) for r in report.hsdp_volume],
+        hsdp_time=[dataclasses.asdict(r) for r in report.hsdp_time], hsdp_losses=report.hsdp_losses,
         losses=report.losses, checks=checks, warnings=warnings,
     )
