@@ -77,6 +77,10 @@ REDUCE_SCATTER_DONE_RANGE = "reduce_scatter_done"  # it had already finished: no
 ALL_REDUCE_RANGE = "all_reduce"
 ALL_REDUCE_WAIT_RANGE = "all_reduce_wait"
 ALL_REDUCE_DONE_RANGE = "all_reduce_done"
+# On a 2-D mesh each collective's range (issue and wait) also names its process group, `[shard]` or
+# `[replicate]` (FSDPGroup.link_label): `FSDP::all_reduce (layers.0) [replicate]`; the trace readers' regexes
+# take the suffix as optional, FSDP2's names have none.
+SHARD_LINK, REPLICATE_LINK = "shard", "replicate"
 
 
 class TodoError(NotImplementedError):
@@ -419,7 +423,7 @@ class PendingReduce:
         if self.work is not None:
             # The range shows the overlap check where the main thread waited, and whether it had to.
             label = REDUCE_SCATTER_DONE_RANGE if self.work.is_completed() else REDUCE_SCATTER_WAIT_RANGE
-            with record_function(self.group.label(label)):
+            with record_function(self.group.link_label(label)):
                 self.work.wait()
         if self.group.replicate_group is not None:  # HSDP: averaged across the replicas next
             self.group.all_reduce(self)
@@ -438,7 +442,7 @@ class PendingAllReduce:
     def finish(self) -> None:
         group = self.reduced.group
         label = ALL_REDUCE_DONE_RANGE if self.work.is_completed() else ALL_REDUCE_WAIT_RANGE
-        with record_function(group.label(label)):
+        with record_function(group.link_label(label, REPLICATE_LINK)):
             self.work.wait()
         group.finish_reduce(self.reduced)
 
@@ -518,6 +522,12 @@ class FSDPGroup:
         """A profiler range name like FSDP2's: `FSDP::all_gather (layers.3)`."""
         return f"FSDP::{phase} ({self.fqn})" if self.fqn else f"FSDP::{phase}"
 
+    def link_label(self, phase: str, link: str = SHARD_LINK) -> str:
+        """The range name of a collective (issued or waited for): `label(phase)`, and on a 2-D mesh (HSDP) the
+        process group it runs on: `FSDP::all_gather (layers.3) [shard]`, `FSDP::all_reduce (layers.3) [replicate]`.
+        On a 1-D mesh FSDP2's name, unchanged."""
+        return f"{self.label(phase)} [{link}]" if self.replicate_group is not None else self.label(phase)
+
     # ---- all-gather -------------------------------------------------------------------
 
     def prefetch(self) -> None:
@@ -538,7 +548,7 @@ class FSDPGroup:
             flat = torch.cat([p.padded_shard.reshape(-1).to(self.compute_dtype) for p in self.params])
             self.pending_gather, self.state = PendingGather(None, flat), ShardedState.GATHERING
             return
-        with record_function(self.label(ALL_GATHER_RANGE)):
+        with record_function(self.link_label(ALL_GATHER_RANGE)):
             # region task1: start the all-gather
             # Every rank sends its padded shards of all the group's parameters, already in the
             # compute dtype, in one asynchronous collective into one flat buffer (H5, H6).
@@ -560,7 +570,7 @@ class FSDPGroup:
         if self.state is not ShardedState.GATHERING:
             return
         pending, self.pending_gather = self.pending_gather, None
-        with record_function(self.label(ALL_GATHER_WAIT_RANGE)):
+        with record_function(self.link_label(ALL_GATHER_WAIT_RANGE)):
             # region task1: finish the all-gather
             # Once the collective is done, each parameter takes its columns of the buffer and the
             # modules compute with the full parameters.
@@ -601,7 +611,7 @@ class FSDPGroup:
 
     def unshard_post_forward(self) -> None:
         k, place = self.post_forward_mesh.size(1), self.post_forward_mesh.get_local_rank(1)
-        with record_function(self.label(ALL_GATHER_RANGE)):
+        with record_function(self.link_label(ALL_GATHER_RANGE)):
             total = sum(shard.numel() for shard in self.post_forward_shards)
             flat = torch.empty(k * total, dtype=self.compute_dtype, device=self.device)
             torch.cat(self.post_forward_shards, out=flat.view(k, total)[place])
@@ -639,7 +649,7 @@ class FSDPGroup:
         if self.world == 1:  # one rank's gradients are the reduced ones: FSDP2 issues no collective
             output = torch.cat([grad.reshape(-1).to(self.reduce_dtype) for grad in grads])
             return PendingReduce(self, None, output, params)
-        with record_function(self.label(REDUCE_SCATTER_RANGE)):
+        with record_function(self.link_label(REDUCE_SCATTER_RANGE)):
             # region task1: start the reduce-scatter
             # One asynchronous collective over these gradients only, one after another, averaged (H7), in
             # the reduce dtype (H8); the full gradients are freed before it runs.
@@ -677,7 +687,7 @@ class FSDPGroup:
             self.partial_reduce = None
         ctx = self.ctx
         ctx.finish_all_reduce()  # at most one in flight: the previous group's first
-        with record_function(self.label(ALL_REDUCE_RANGE)):
+        with record_function(self.link_label(ALL_REDUCE_RANGE, REPLICATE_LINK)):
             # region bonus4: start the replica all-reduce
             # Asynchronous, across the replicate group, averaged as FSDP2 does: AVG both times (within the
             # shard group, then across replicas), SUM when there is one data-parallel rank in all (H13).

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
-from harness.tools.traces.trace import C10D_OPS, OTHER, ROOT_GROUP, Trace, inside, span_at, union
+from harness.tools.traces.trace import C10D_OPS, LINK, OTHER, ROOT_GROUP, Trace, inside, span_at, union
 
 # Where the main thread waited for a group's collective: the all-gather's copy-out (FSDP2's name),
 # and PendingReduce.finish's two ranges: `reduce_scatter_wait` when the reduce-scatter was still
-# running (the thread blocks), `reduce_scatter_done` when it had already finished (no wait).
+# running (the thread blocks), `reduce_scatter_done` when it had already finished (no wait). On a 2-D
+# mesh the reference's names end in the process group, ` [shard]` (trace.LINK).
 WAIT_RANGE = re.compile(r"^FSDP::(?P<what>all_gather_copy_out|reduce_scatter_wait|reduce_scatter_done)"
-                        r"(?: \((?P<fqn>.*)\))?$")
+                        r"(?: \((?P<fqn>.*?)\))?" + LINK + "$")
 
 
 @dataclass

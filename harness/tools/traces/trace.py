@@ -36,8 +36,10 @@ C10D_OPS = {
 }
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 # FSDP's profiler ranges around a group's collectives (FSDP2's names, which the hand-written FSDP
-# shares): `FSDP::all_gather (layers.3)`; the root's group has no name in parentheses.
-GROUP_RANGE = re.compile(r"^FSDP::(?:all_gather|post_backward_reduce)(?: \((?P<fqn>.*)\))?$")
+# shares): `FSDP::all_gather (layers.3)`; the root's group has no name in parentheses. On a 2-D mesh
+# (HSDP) the reference also names the process group: `FSDP::all_gather (layers.3) [shard]` (LINK).
+LINK = r"(?: \[(?P<link>shard|replicate)\])?"
+GROUP_RANGE = re.compile(r"^FSDP::(?:all_gather|post_backward_reduce)(?: \((?P<fqn>.*?)\))?" + LINK + "$")
 ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "int": 4, "long int": 8,
             "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 
