@@ -143,3 +143,38 @@ def test_cli_draws_train_py_traces_and_refuses_a_folder_without_them(fsdp2_trace
         pictures.cli([str(fsdp2_traces), str(tmp_path), "--out", str(tmp_path / "other.png")])
     assert stopped.value.code == 2 and f"no rank0.json in {tmp_path}" in capsys.readouterr().err
     assert not (tmp_path / "other.png").exists()
+
+
+def test_overlap_picture_shows_the_replica_all_reduce(tmp_path):
+    """HSDP (synthetic trace, no training run): the reference's replica all-reduces, issued in
+    `FSDP::all_reduce (G) [replicate]` and waited in `all_reduce_wait (G) [replicate]`, are drawn in their group's
+    row from issue to wait, where gloo ran them, and named in the legend; the loss's all-reduce is not drawn; a
+    trace without them has no such bar or legend entry."""
+    import json
+
+    from harness.tests.test_analysis import schedule_trace, x
+
+    a = lambda name, ts, dur: x(name, ts, dur, cat="user_annotation")
+    ar = lambda ts: x("c10d::allreduce_", ts, 2, **{"Input Dims": [[4]]})
+    plain = schedule_trace()
+    hsdp = {"traceEvents": plain["traceEvents"] + [
+        a("FSDP::all_reduce (layers.1) [replicate]", 460, 4), ar(461),
+        x("gloo:all_reduce", 462, 20, tid=2, cat="user_annotation", **{"Input Dims": [[4]]}),
+        x("aten::mm", 470, 5),
+        a("FSDP::all_reduce_wait (layers.1) [replicate]", 485, 3),
+        ar(920),  # the loss's, outside every FSDP range
+    ]}
+    drawn = {}
+    for name, trace in (("plain", plain), ("hsdp", hsdp)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0.json").write_text(json.dumps(trace))
+        drawn[name] = pictures.overlap_png(tmp_path / name, tmp_path / name, tmp_path / f"{name}.png")
+    bars = [b for b in drawn["hsdp"].panels[1].bars if b.kind == "all_reduce"]
+    ((group, start, end, ran),) = [(b.group, b.start, b.end, b.ran) for b in bars]
+    step_start = 0  # step_and_phases: the step starts at ts 0
+    assert group == "layers.1" and (start, end) == ((461 - step_start) / 1e3, (485 - step_start) / 1e3), bars
+    assert ran == (462 / 1e3, 482 / 1e3)
+    label = "HSDP replica all-reduce (across replicas): issued to waited for"
+    assert label in drawn["hsdp"].legend and label not in drawn["plain"].legend
+    assert not [b for p in drawn["plain"].panels for b in p.bars if b.kind == "all_reduce"]
+    assert (tmp_path / "hsdp.png").stat().st_size > 10_000

@@ -13,7 +13,11 @@ order), and in each row:
     issued to waited for (schedule.py), green where another group's compute ran in between, red where
     none did though FSDP's schedule could have (what the graded check flags, schedule.must_overlap),
     grey where none can (a pass's first all-gather, its last reduce-scatter);
-  * a black line where the work itself ran (gloo's worker thread, or the NCCL kernel: collectives.py).
+  * a black line where the work itself ran (gloo's worker thread, or the NCCL kernel: collectives.py);
+  * HSDP: its replica all-reduces (gold, cross-hatched, over the lower half), from issued to waited for:
+    the hand-written FSDP's inside `FSDP::all_reduce (G) [replicate]` up to `all_reduce_wait` / `_done (G)`,
+    FSDP2's inside its `post_backward_reduce (G)` range (to where the op returned). Drawn, and in the
+    legend, only where a trace has them.
 
 `memory_png`: per precision case, each rank's peak memory per step for FSDP2 and the hand-written
 FSDP, and the most the memory check allows (FSDP2's least peak of steps 2.. plus its margin).
@@ -37,7 +41,7 @@ from harness.cli import parse
 from harness.errors import BAD_INPUT, stop
 from harness.tools.traces.collectives import work_intervals
 from harness.tools.traces.schedule import must_overlap, schedule
-from harness.tools.traces.trace import ROOT_GROUP, Trace, inside, union
+from harness.tools.traces.trace import C10D_OPS, LINK, ROOT_GROUP, Trace, inside, union
 
 MiB = 2**20
 # A group's forward and backward windows, FSDP2's range names (the hand-written FSDP shares them).
@@ -45,12 +49,15 @@ MiB = 2**20
 # reference with `post_backward` around `post_backward_reduce`: the first after pre_backward closes it.
 WINDOW = re.compile(r"^FSDP::(?P<when>pre|post)_(?P<direction>forward|backward)(?:_accumulate|_reshard|_reduce)?"
                     r"(?: \((?P<fqn>.*)\))?$")
+# HSDP's replica all-reduce in the reference: issued inside ALL_REDUCE, waited for inside ALL_REDUCE_WAIT.
+ALL_REDUCE = re.compile(r"^FSDP::all_reduce(?: \((?P<fqn>.*?)\))?" + LINK + "$")
+ALL_REDUCE_WAIT = re.compile(r"^FSDP::all_reduce_(?:wait|done)(?: \((?P<fqn>.*?)\))?" + LINK + "$")
 # Compute ops closer than this share of the step are drawn as one bar (thousands of slivers otherwise).
 MERGE_GAP = 0.002
 # A collective waited for at once still shows as a bar this share of the axis wide.
 MIN_WIDTH = 0.004
 COLOURS = {"forward": "#9ecae1", "backward": "#fdd0a2", "overlapped": "#2ca02c", "missed": "#d62728",
-           "exempt": "#969696", "hook": "#6a51a3"}
+           "exempt": "#969696", "hook": "#6a51a3", "all_reduce": "#e6ab02"}
 # What pytest --artifacts writes into its folder (removed when a session starts, so nothing stale remains).
 ARTIFACTS = ("profiles", "memory.json", "overlap.png", "memory.png", "pictures.txt")
 
@@ -61,7 +68,8 @@ class Bar:
 
     group: str
     kind: str
-    """forward, backward (compute); hook (FSDP's own code); all_gather, reduce_scatter (collectives)."""
+    """forward, backward (compute); hook (FSDP's own code); all_gather, reduce_scatter, all_reduce (collectives;
+    all_reduce: HSDP's replica all-reduce)."""
     start: float
     end: float
     phase: str = ""
@@ -98,6 +106,8 @@ class Overlap:
     xlim: tuple[float, float]
     axes_xlim: list[tuple[float, float]] = field(default_factory=list)
     """each drawn axis's x-limits, read back from the figure."""
+    legend: list[str] = field(default_factory=list)
+    """the legend's labels, as drawn."""
 
 
 # --------------------------------------------------------------------------- reading one step
@@ -167,8 +177,35 @@ def step_panel(traces: str | Path, title: str, rank: int = 0, step: int | None =
         panel.bars.append(Bar(s.group, s.kind, ms(s.issued), ms(stop_at), s.phase, s.overlapped, id(s) in required,
                               (ms(work[0]), ms(work[1])) if work else None))
         first.setdefault(s.group, float("inf"))
+    for group, issued, waited, work in replica_all_reduces(t, begin, end):
+        panel.bars.append(Bar(group, "all_reduce", ms(issued), ms(waited), t.phases.at(issued, ""),
+                              ran=(ms(work[0]), ms(work[1])) if work else None))
+        first.setdefault(group, float("inf"))
     panel.groups = sorted(first, key=lambda g: (first[g], g != ROOT_GROUP, _block_number(g), g))
     return panel
+
+
+def replica_all_reduces(t: Trace, begin: float, end: float) -> list[tuple[str, float, float, tuple | None]]:
+    """(group, issued, waited for, where the work ran) of every HSDP replica all-reduce issued in [begin, end]:
+    a `c10d::allreduce_` inside the reference's `FSDP::all_reduce (G)` range, or inside a group's range
+    (FSDP2 all-reduces inside `post_backward_reduce (G)`); the loss's and grad norm's are in neither."""
+    ran = {id(op): span for op, span in work_intervals(t)}
+    out = []
+    for thread in {(op["pid"], op["tid"]) for op in t.ops}:
+        named = [e for e in t.ranges if (e["pid"], e["tid"]) == thread and e.get("cat") == "user_annotation"]
+        issues = [(e["ts"], e["ts"] + e["dur"], m["fqn"] or ROOT_GROUP) for e in named if (m := ALL_REDUCE.match(e["name"]))]
+        waits = sorted((e["ts"], m["fqn"] or ROOT_GROUP) for e in named if (m := ALL_REDUCE_WAIT.match(e["name"])))
+        for op in t.ops:
+            if ((op["pid"], op["tid"]) != thread or C10D_OPS[op["name"]][0] != "all_reduce"
+                    or not begin <= op["ts"] <= end):
+                continue
+            group = next((g for s, e, g in issues if s <= op["ts"] <= e), None) or t.group_of(op)
+            if group is None:
+                continue
+            done = op["ts"] + op["dur"]
+            waited = next((ts for ts, g in waits if g == group and ts >= done), done)
+            out.append((group, op["ts"], waited, ran.get(id(op))))
+    return sorted(out, key=lambda r: r[1])
 
 
 def _block_number(group: str) -> int:
@@ -197,7 +234,7 @@ def overlap_png(fsdp2_traces: str | Path | None, effdl_traces: str | Path | None
         raise ValueError("no trace to draw: " + "; ".join(p.note for p in panels))
     groups = list(dict.fromkeys(g for p in drawn for g in p.groups))
     xlim = (0.0, max(p.length for p in drawn))
-    return Overlap(panels, xlim, _draw_overlap(panels, groups, xlim, Path(out), title))
+    return Overlap(panels, xlim, *_draw_overlap(panels, groups, xlim, Path(out), title))
 
 
 def _summary(panel: Panel) -> str:
@@ -212,7 +249,7 @@ def _summary(panel: Panel) -> str:
 
 
 def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, float], out: Path,
-                  title: str) -> list[tuple[float, float]]:
+                  title: str) -> tuple[list[tuple[float, float]], list[str]]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,6 +281,12 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
             if b.kind == "hook":
                 ax.broken_barh([(b.start, b.end - b.start)], (y - 0.03, 0.06), color=COLOURS["hook"], lw=0)
                 continue
+            if b.kind == "all_reduce":
+                ax.broken_barh([(b.start, max(b.end - b.start, MIN_WIDTH * xlim[1]))], (y + 0.1, 0.22),
+                               facecolor=COLOURS["all_reduce"], edgecolor="k", lw=0.3, hatch="xx", alpha=0.9)
+                if b.ran:
+                    ax.plot(b.ran, (y + 0.21, y + 0.21), color="k", lw=1.6, solid_capstyle="butt")
+                continue
             colour = COLOURS["overlapped" if b.overlapped else "missed" if b.required else "exempt"]
             low = y - 0.38 if b.kind == "all_gather" else y + 0.04
             ax.broken_barh([(b.start, max(b.end - b.start, MIN_WIDTH * xlim[1]))], (low, 0.34), facecolor=colour, edgecolor="k",
@@ -262,6 +305,9 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
               Patch(color=COLOURS["missed"], label="not overlapped, though it could be"),
               Patch(color=COLOURS["exempt"], label="not overlapped, none can be (first all-gather / last reduce-scatter of a pass)"),
               Line2D([], [], color="k", lw=1.6, label="where the work ran (gloo thread / NCCL kernel)")]
+    if any(b.kind == "all_reduce" for p in panels for b in p.bars):
+        legend.insert(5, Patch(facecolor=COLOURS["all_reduce"], edgecolor="k", hatch="xx",
+                               label="HSDP replica all-reduce (across replicas): issued to waited for"))
     fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
@@ -269,7 +315,7 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    return [tuple(ax.get_xlim()) for ax in axes]
+    return [tuple(ax.get_xlim()) for ax in axes], [h.get_label() for h in legend]
 
 
 # --------------------------------------------------------------------------- memory.png
