@@ -216,7 +216,7 @@ def test_quick_report_end_to_end(impl, tmp_path):
     skip_unfinished(impl)
     path = impl_module.impl_path(impl)
     proc = subprocess.run([sys.executable, "-m", "harness.tools.lab.report", "--impl", str(path), "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[13/13]" in proc.stdout  # the progress display ran to the end
     md = (tmp_path / "report.md").read_text()
