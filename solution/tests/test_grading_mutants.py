@@ -129,8 +129,13 @@ def test_reexport_scores_zero(mutant, tmp_path):
 
 
 def test_forward_only_scores_three(mutant, tmp_path):
-    earned = points(mutant("forward-only"), tmp_path)
-    assert earned["task 1 forward"] == 3 and sum(earned.values()) == 3, earned
+    """Every case of task 1's forward (its 3 points need them all), one case of each other line (one failing
+    case makes a line 0: the same verdict as every case)."""
+    from solution.tests.test_gradescope import ONE_CASE_A_LINE
+
+    earned = points(mutant("forward-only"), tmp_path, "-k", f"test_task1_forward or {ONE_CASE_A_LINE}")
+    assert earned["task 1 forward"] == 3 and sum(v or 0 for v in earned.values()) == 3, earned
+    assert all(v == 0 for k, v in earned.items() if k != "task 1 forward"), earned  # each line graded, and 0
 
 
 @pytest.mark.parametrize("name", ["annotation-type-hints"])  # one end to end; test_source_check_names_the_refusal has each
