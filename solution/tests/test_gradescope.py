@@ -137,6 +137,20 @@ def left_running(marker: str) -> list[str]:
     return found
 
 
+def test_bundle_scripts_run_modules_that_exist():
+    """Every `python -m harness...` the bundle's scripts run is a module (none of the moved old names)."""
+    import importlib.util
+
+    from harness.tests.test_layout import commands_named
+    from harness.tools import MOVED
+
+    scripts = [str(p.relative_to(release.ROOT)) for p in (release.GRADESCOPE / "run_autograder",
+                                                           release.GRADESCOPE / "setup.sh")]
+    named = commands_named(scripts)
+    assert "harness.tools.submissions.gradescope" in named, named
+    assert not [m for m in named if m in MOVED or importlib.util.find_spec(m) is None], named
+
+
 def test_bundle_refuses_a_name_that_is_not_a_new_zip(tmp_path):
     with pytest.raises(ReleaseError, match=r"does not end in \.zip: give the bundle's file name"):
         release.gradescope(tmp_path / "autograder")

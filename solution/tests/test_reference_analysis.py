@@ -55,3 +55,22 @@ def test_collectives_are_found_per_group_as_in_fsdp2(runs):
         groups = {g for (kind, phase, g) in runs[name].comm.by_group}
         assert groups == {ROOT_GROUP, *(f"layers.{i}" for i in range(6))}, (name, groups)
     assert runs["reference"].comm.by_group == runs["fsdp2"].comm.by_group
+
+
+def test_reference_names_each_collectives_group():
+    """The names harness/tests/test_analysis.py::test_schedule_reads_the_hsdp_names reads, as the reference
+    writes them on a 2-D mesh."""
+    from harness.tools.traces import schedule
+    from harness.tools.traces.trace import GROUP_RANGE
+    from solution.fsdp import FSDPGroup
+
+    group = object.__new__(FSDPGroup)  # only what link_label reads
+    group.fqn, group.replicate_group = "layers.0", object()
+    assert group.link_label("all_gather") == "FSDP::all_gather (layers.0) [shard]"
+    assert group.link_label("all_reduce", "replicate") == "FSDP::all_reduce (layers.0) [replicate]"
+    assert GROUP_RANGE.match(group.link_label("all_gather"))["fqn"] == "layers.0"
+    assert schedule.WAIT_RANGE.match(group.link_label("reduce_scatter_wait"))["fqn"] == "layers.0"
+    group.fqn = ""
+    assert GROUP_RANGE.match(group.link_label("post_backward_reduce"))["fqn"] is None  # the root
+    group.replicate_group = None  # a 1-D mesh: FSDP2's names
+    assert group.link_label("all_gather") == "FSDP::all_gather"

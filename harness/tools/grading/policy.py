@@ -115,7 +115,7 @@ MODES = {
 # FSDP2's peak is one number per configuration, run after run; single steps exceed it only by whole
 # late buffers. The allowance covers the reference's spread above FSDP2 in every precision case and
 # bonus mode, while keeping every block gathered from forward to backward (the
-# `no-reshard-after-forward` mutant) exceeds it and fails (solution/tests/test_mutants.py).
+# `no-reshard-after-forward` mutant) exceeds it and fails (the instructors' mutant tests).
 LATE_BUFFERS = 1
 # Leaks: the bytes of Python-visible tensors are the same at the end of every step from step 2 on,
 # which finds a list or attribute that keeps tensors; the bytes the allocator holds at the end of each
