@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 import zipfile
@@ -75,9 +76,22 @@ def unpack(zip_path: Path, dest: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def autograder(tmp_path_factory) -> Path:
-    """ROOT as Gradescope's image has it after setup.sh ran (uv is on PATH here, so it installs none)."""
-    tmp = tmp_path_factory.mktemp("gradescope")
+def autograder():
+    """ROOT as Gradescope's image has it after setup.sh ran (uv is on PATH here, so it installs none).
+
+    Not under pytest's own temporary folder: as root, the bundle's ranks under test run as the sandbox
+    user, which must pass through every folder above the repository (sandbox.reachable opens them once),
+    and the graded pytest inside the bundle closes /tmp/pytest-of-root again (0700) when its first test
+    asks for a tmp_path, which cut rank 0 off the data in bonus 1's first case. /autograder on Gradescope
+    lies under no such folder."""
+    tmp = Path(tempfile.mkdtemp(prefix="gradescope-"))
+    try:
+        yield build_autograder(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_autograder(tmp: Path) -> Path:
     bundle = tmp / "autograder.zip"
     names = release.gradescope(bundle)
     assert {"setup.sh", "run_autograder", "repository/test.py", "repository/uv.lock"} <= set(names), names
