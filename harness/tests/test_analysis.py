@@ -246,6 +246,33 @@ def test_cli_leaves_an_older_snapshot_out(tmp_path, capsys):
     assert "--no-profile-memory" in capsys.readouterr().err
 
 
+def test_cli_reads_traces_outside_a_traces_folder(tmp_path, capsys):
+    """train.py --traces-dir X --snapshots-dir Y with X outside any traces/ folder: no snapshot is
+    guessed (the table has no memory rows); --snapshots Y reads them; a folder without the rank's
+    snapshot is refused by name."""
+    trace = gloo_trace()
+    trace["traceEvents"] += [e for e in memory_trace()["traceEvents"] if e["name"] == "[memory]"]
+    trace["profile_memory"] = 1
+    (tmp_path / "tr").mkdir()
+    (tmp_path / "sn").mkdir()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "tr" / "rank0.json").write_text(json.dumps(trace))
+    with open(tmp_path / "sn" / "rank0.pickle", "wb") as f:
+        pickle.dump(profiling.snapshot_from_chrome_trace(trace), f)
+
+    def rows(out: str) -> dict[str, list[str]]:
+        return {c[0]: c[1:] for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines()[1:])}
+
+    analysis.cli([str(tmp_path / "tr")])
+    alone = rows(capsys.readouterr().out)
+    assert alone["all-gathers, forward"] == ["1"] and alone["peak memory (MiB)"] == ["-"]
+    analysis.cli([str(tmp_path / "tr"), "--snapshots", str(tmp_path / "sn")])
+    assert rows(capsys.readouterr().out)["peak memory (MiB)"] != ["-"]
+    with pytest.raises(SystemExit) as e:
+        analysis.cli([str(tmp_path / "tr"), "--snapshots", str(tmp_path / "empty")])
+    assert e.value.code == 2 and "no rank0.pickle in" in capsys.readouterr().err
+
+
 def schedule_trace(wait_at_once: bool = False, blocking_issue: bool = False, reduce_done_at_once: bool = False):
     """Forward: root, layers.0, layers.1, each all-gather prefetched by the group before (the
     root's, first of the pass, cannot be); backward: two reduce-scatters, each finished in the next

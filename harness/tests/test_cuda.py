@@ -37,10 +37,15 @@ def cuda_pool(request):
     world = request.param
     if gpus() < world:
         pytest.skip(f"needs {world} CUDA GPU(s), found {gpus()}")
-    from harness.tools.grading.ranks import RankPool
+    with ranks_for(world, "cuda") as ranks:
+        yield ranks
 
-    with RankPool(world, device="cuda") as pool:
-        yield pool
+
+def ranks_for(world: int, device: str):
+    """The ranks these tests run on (harness/tests/test_platform.py walks them on one CPU rank)."""
+    from harness.tools.grading.ranks import Ranks
+
+    return Ranks(world, device=device)
 
 
 def test_ranks_use_their_own_gpu_with_nccl(cuda_pool):

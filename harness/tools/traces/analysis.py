@@ -63,9 +63,15 @@ def analyze_run(traces: str | Path, snapshots: str | Path | None = None, *, snap
         scheduled += schedule(t)
         if snapshots is None:
             continue
-        if t.data.get("profile_memory"):  # torch's mark of a trace with allocation events
-            memories.append(analyze_memory(Path(snapshots) / f"{path.stem}.pickle", t))
-        elif not snapshots_optional:
+        snapshot = Path(snapshots) / f"{path.stem}.pickle"
+        if t.data.get("profile_memory") and snapshot.is_file():  # torch's mark of a trace with allocation events
+            memories.append(analyze_memory(snapshot, t))
+        elif snapshots_optional:  # --traces-dir and --snapshots-dir apart, or the snapshot deleted: no memory rows
+            continue
+        elif t.data.get("profile_memory"):
+            raise ValueError(f"no {snapshot.name} in {snapshots} for {path}: name the folder train.py wrote it to "
+                             "(its --snapshots-dir) with --snapshots, or leave --snapshots out to analyse the traces alone")
+        else:
             raise ValueError(f"{path} was profiled with --no-profile-memory, so no snapshot in {snapshots} is "
                              "from its run: profile again without that flag, or analyse the traces alone")
     return RunStats(mean(steps), MemoryStats.worst(memories) if memories else None, steps, memories, scheduled)
@@ -74,11 +80,13 @@ def analyze_run(traces: str | Path, snapshots: str | Path | None = None, *, snap
 # --------------------------------------------------------------------------- CLI
 
 
-def snapshots_dir_for(traces: Path) -> Path:
-    """train.py's layout: traces/<fsdp> next to snapshots/<fsdp>."""
+def snapshots_dir_for(traces: Path) -> Path | None:
+    """train.py's layout: traces/<fsdp> next to snapshots/<fsdp> (None for a folder outside a traces/:
+    its snapshots, if any, are wherever --snapshots-dir put them)."""
     parts = list(traces.parts)
-    if "traces" in parts:
-        parts[len(parts) - 1 - parts[::-1].index("traces")] = "snapshots"
+    if "traces" not in parts:
+        return None
+    parts[len(parts) - 1 - parts[::-1].index("traces")] = "snapshots"
     return Path(*parts)
 
 
@@ -152,7 +160,8 @@ def main(args: Args) -> None:
         while name in runs:
             name += "'"
         try:
-            runs[name] = analyze_run(traces, snaps if snaps.is_dir() else None, snapshots_optional=not args.snapshots)
+            runs[name] = analyze_run(traces, snaps if snaps is not None and snaps.is_dir() else None,
+                                     snapshots_optional=not args.snapshots)
         except ValueError as e:  # traces or snapshots not written as train.py writes them
             stop(str(e), BAD_INPUT)
     print(table(runs))
