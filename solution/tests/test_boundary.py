@@ -258,6 +258,27 @@ def test_sandboxed_ranks_cannot_reach_the_graders_loopback(ranks):
     checks.check_forward(ranks, str(SOLUTION), "float32", "float32")  # collectives within the namespace
 
 
+def read_job(path: str) -> int:
+    return len(Path(path).read_bytes())
+
+
+@as_root
+def test_a_folder_closed_between_jobs_is_passable_again(ranks):
+    """A grader's folder closed to other users mid-run (pytest closes its temporary folder to its user
+    when a test first asks for tmp_path; here the repository itself): the next sandboxed job opens it
+    again (o+x), so the ranks still read the repository's data."""
+    data = ROOT / "c4_test" / "data.json"
+    size = data.stat().st_size
+    assert ranks.sandboxed.run(read_job, str(data), timeout=60) == [size, size]
+    mode = ROOT.stat().st_mode
+    try:
+        os.chmod(ROOT, 0o700)
+        assert ranks.sandboxed.run(read_job, str(data), timeout=60) == [size, size]
+        assert ROOT.stat().st_mode & 0o001, "the repository was not made passable again"
+    finally:
+        os.chmod(ROOT, mode & 0o7777)
+
+
 @as_root
 def test_background_process_does_not_outlive_its_pool():
     pool = RankPool(2, role="sandboxed")

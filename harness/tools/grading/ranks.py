@@ -245,7 +245,12 @@ class RankPool:
         import shutil
 
         import train
+        from harness.tools.grading import sandbox
 
+        if self.private.uid is not None:
+            # A grader may close a folder on the way (pytest closes its own temporary folder to its user
+            # when a test first asks for tmp_path): opened again before every job, not once per pool.
+            sandbox.reachable(self.private.root)
         staged = []
 
         def file(name: str) -> str:

@@ -204,14 +204,14 @@ class Network:
             os.close(fd)
 
 
-def reachable() -> None:
+def reachable(*more: Path) -> None:
     """Let other users pass through (o+x: enter, not list) every folder above Python's library, the
-    environment and the repository that does not let them, so the sandbox user can import what a
+    environment, the repository and `more` that does not let them, so the sandbox user can import what a
     rank imports after it dropped root (pyenv and uv keep Python under root's 0700 home). Said once on
     stderr per folder changed."""
     from harness.impl import ROOT
 
-    for top in {Path(sys.base_prefix), Path(sys.prefix), Path(os.__file__).resolve().parent, ROOT}:
+    for top in {Path(sys.base_prefix), Path(sys.prefix), Path(os.__file__).resolve().parent, ROOT, *more}:
         for folder in [*reversed(top.resolve().parents), top.resolve()]:
             mode = folder.stat().st_mode
             if not mode & stat.S_IXOTH:
