@@ -4,7 +4,8 @@ Skipped where there are not enough GPUs. Each world size gets its own spawned po
 rank) and checks: every precision case bit-identical to FSDP2 (deterministic algorithms, see
 harness/distributed.py), the same run twice bit-identical, a profiled run whose NCCL collectives
 the analysis finds (none at world size 1, which it must call "no communication"), and a CUDA
-memory snapshot that `python -m torch.cuda._memory_viz` reads.
+memory snapshot that `python -m torch.cuda._memory_viz` reads. The last test runs without a GPU: the
+parity body on one CPU rank, so that these tests cannot drift from the pools and checks unseen.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def cuda_pool(request):
 
 
 def ranks_for(world: int, device: str):
-    """The ranks these tests run on (harness/tests/test_platform.py walks them on one CPU rank)."""
+    """The ranks these tests run on (test_the_path_on_one_cpu_rank walks them on one CPU rank)."""
     from harness.tools.grading.ranks import Ranks
 
     return Ranks(world, device=device)
@@ -95,3 +96,14 @@ def test_trace_and_snapshot(cuda_pool, impl, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(snapshot),
                            "-o", str(tmp_path / "rank0.html")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and (tmp_path / "rank0.html").stat().st_size > 0, proc.stderr[-4000:]
+
+
+def test_the_path_on_one_cpu_rank(impl):
+    """Runs everywhere, GPU or not: the parity body above on the ranks its fixture makes, on one CPU
+    rank (gloo), so that a change of the pools or checks these tests call breaks here, not first on a
+    GPU."""
+    skip_unfinished(impl)
+    with ranks_for(1, "cpu") as ranks:
+        [(rank, backend, device, _)] = ranks.run(rank_device)
+        assert (rank, backend, device) == (0, "gloo", "cpu"), (rank, backend, device)
+        test_parity_with_fsdp2(ranks, impl, "float32", "float32")

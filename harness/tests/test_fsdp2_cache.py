@@ -86,7 +86,8 @@ def test_case_parts_miss():
 
 
 def test_a_changed_code_byte_misses(tmp_path, monkeypatch):
-    """A copy of the repository's code and data: one byte of a harness module changes the key."""
+    """A copy of the repository's code and data: one byte of a harness module changes the key, one of
+    a harness test does not (no stored result comes from harness/tests/)."""
     root = tmp_path / "repo"
     shutil.copytree(fsdp2_cache.ROOT / "harness", root / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     for name in [*fsdp2_cache.SOURCES, *map(str, assets.FILES)]:
@@ -99,6 +100,11 @@ def test_a_changed_code_byte_misses(tmp_path, monkeypatch):
         fsdp2_cache.get("train", parts(), job)
         fsdp2_cache.get("train", parts(), job)
         assert job.calls == 1
+        test = root / "harness" / "tests" / "test_fsdp2_cache.py"
+        test.write_bytes(test.read_bytes() + b"\n")
+        fsdp2_cache.environment.cache_clear()
+        fsdp2_cache.get("train", parts(), job)
+        assert job.calls == 1, "a changed harness test changed the key"
         jobs = root / "harness" / "tools" / "grading" / "jobs.py"
         jobs.write_bytes(jobs.read_bytes() + b"\n")
         fsdp2_cache.environment.cache_clear()

@@ -393,15 +393,3 @@ def test_tensor_peaks_count_every_thread():
     assert level2 - base == 64 and peak2 == level1, (tp.peaks, tp.levels)
     assert not memory.allocator_flag().value, "the allocator's flag is put back"
 
-
-def test_cuda_tests_walk_their_path_on_cpu(impl):
-    """harness/tests/test_cuda.py runs only where GPUs are: its parity body runs here on the ranks its
-    fixture makes, on one CPU rank (gloo), so that a change of the pools or checks it calls breaks
-    here, not first on a GPU."""
-    from harness.tests import test_cuda
-
-    skip_unfinished(impl)
-    with test_cuda.ranks_for(1, "cpu") as ranks:
-        [(rank, backend, device, _)] = ranks.run(test_cuda.rank_device)
-        assert (rank, backend, device) == (0, "gloo", "cpu"), (rank, backend, device)
-        test_cuda.test_parity_with_fsdp2(ranks, impl, "float32", "float32")

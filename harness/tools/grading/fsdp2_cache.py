@@ -19,8 +19,9 @@ What decides the key, and why
 - The machine and software (`environment`, read once per process): python, torch (with its git
   revision), torchtitan, the platform (`sys.platform`, machine, `FSDP_PLATFORM`), the CPU's model,
   its core count and the SIMD kernels torch picked (`get_cpu_capability`: other kernels, other bits);
-  and the bytes of everything that produces the result: train.py, every .py under harness/ (the
-  tools and tests too: simpler and safer than deciding which cannot matter), uv.lock (every
+  and the bytes of everything that produces the result: train.py, every .py under harness/ but its
+  tests (the tools too: simpler and safer than deciding which cannot matter; harness/tests/ holds no
+  job whose result is stored, checks.py's are, so editing a test trains FSDP2 no more), uv.lock (every
   package's exact version), the data and the tokenizer. The file under test (fsdp.py, --impl) is not
   in it, nor pyproject.toml (pytest's options, which the released student repository and the
   Gradescope bundle rewrite, change no number; its dependencies are pinned in uv.lock): the three
@@ -145,7 +146,8 @@ def environment() -> dict:
         titan = version("torchtitan")
     except PackageNotFoundError:
         titan = "missing"
-    code = [ROOT / name for name in SOURCES] + [p for p in (ROOT / "harness").rglob("*.py")]
+    code = [ROOT / name for name in SOURCES] + [p for p in (ROOT / "harness").rglob("*.py")
+                                                if p.relative_to(ROOT / "harness").parts[0] != "tests"]
     return {
         "python": sys.version, "torch": torch.__version__, "torch_git": torch.version.git_version,
         "torchtitan": titan, "platform": [sys.platform, platform.machine(), os.environ.get(compat.SIMULATE, "")],
