@@ -8,6 +8,7 @@ fails if it stops working (a renamed test, a flag that went away, a crash).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -51,7 +52,8 @@ def test_pytest_test_fsdp():
 
 def test_torchrun_train_fsdp2(tmp_path):
     """`torchrun --nproc-per-node 2 train.py --fsdp fsdp2`, the README's first run, with its
-    defaults (profiling included). It runs in a copy of train.py beside the real harness and
+    defaults (profiling included): one line per step, each rank's trace with its profiled steps and
+    FSDP2's collectives, snapshots that memory_viz reads, none of a CPU profile's noise. It runs in a copy of train.py beside the real harness and
     assets, so a student's own traces/ and snapshots/ are left alone; the port comes from
     torchrun's environment variable, so the command line stays the handout's."""
     assets.ensure(ROOT, log=lambda msg: None)
@@ -64,6 +66,27 @@ def test_torchrun_train_fsdp2(tmp_path):
     assert proc.returncode == 0, show(proc)
     steps = re.findall(r"^step\s+(\d+) \|", proc.stdout, re.M)
     assert steps == [str(s) for s in range(1, len(steps) + 1)] and steps, show(proc)
+    # A CPU profile's expected, harmless C++ log lines are silenced (profiling._quiet_cpu_profiler).
+    for noise in ("gpuGetDeviceCount", "CPUAllocator", "Generating train split"):
+        assert noise not in proc.stdout + proc.stderr, f"{noise!r} noise in the output\n{show(proc)}"
+    traces, snapshots = tmp_path / "traces" / "fsdp2", tmp_path / "snapshots" / "fsdp2"
     for rank in (0, 1):
-        assert (tmp_path / "traces" / "fsdp2" / f"rank{rank}.json").is_file(), show(proc)
-        assert (tmp_path / "snapshots" / "fsdp2" / f"rank{rank}.pickle").is_file(), show(proc)
+        trace_path = traces / f"rank{rank}.json"
+        assert trace_path.is_file(), f"no trace at {trace_path}\n{show(proc)}"
+        names = {e.get("name") for e in json.loads(trace_path.read_text())["traceEvents"]}
+        profiled = {n for n in names if isinstance(n, str) and n.startswith("ProfilerStep#")}
+        assert len(profiled) == 2, f"{trace_path}: the default --profile-steps profiles 2 steps, found {profiled}"
+        # FSDP2's collectives as the gloo backend records them (see profiling.py's docstring).
+        collectives = {n for n in names if isinstance(n, str) and (n.startswith("c10d::") or n.startswith("gloo:"))}
+        assert {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_"} <= collectives, (
+            f"{trace_path}: FSDP2's all-gathers and reduce-scatters are not in the trace; collectives seen: "
+            f"{sorted(collectives)}")
+    # memory_viz is the tool the README points to; its `stats` command must read every snapshot.
+    viz = {rank: subprocess.Popen([sys.executable, "-m", "torch.cuda._memory_viz", "stats",
+                                   str(snapshots / f"rank{rank}.pickle")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for rank in (0, 1)}
+    for rank, p in viz.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, f"memory_viz stats cannot read rank{rank}.pickle:\n{out[-2000:]}\n{err[-2000:]}"
+        assert "total_allocated" in out, out[-2000:]
