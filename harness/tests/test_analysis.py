@@ -273,7 +273,8 @@ def test_cli_reads_traces_outside_a_traces_folder(tmp_path, capsys):
     assert e.value.code == 2 and "no rank0.pickle in" in capsys.readouterr().err
 
 
-def schedule_trace(wait_at_once: bool = False, blocking_issue: bool = False, reduce_done_at_once: bool = False):
+def schedule_trace(wait_at_once: bool = False, blocking_issue: bool = False, reduce_done_at_once: bool = False,
+                   polled_at_once: bool = False):
     """Forward: root, layers.0, layers.1, each all-gather prefetched by the group before (the
     root's, first of the pass, cannot be); backward: two reduce-scatters, each finished in the next
     group's hook after its compute (the last one's cannot be). Variants wait at once."""
@@ -289,6 +290,7 @@ def schedule_trace(wait_at_once: bool = False, blocking_issue: bool = False, red
         x("aten::copy_", 62, 1),  # inside an FSDP range: not compute
         a("FSDP::all_gather (layers.1)", 65, 5), ag(66),
         *([a("Work.wait (blocking)", 68, 1)] if blocking_issue else []),
+        *([a("Work.is_completed (polled until true)", 75, 0)] if polled_at_once else []),  # after the issue's range
         *([a("FSDP::all_gather_copy_out (layers.1)", 72, 2)] if wait_at_once else []),
         x("aten::mm", 90, 5),
         *([] if wait_at_once else [a("FSDP::all_gather_copy_out (layers.1)", 101, 2)]),
@@ -314,6 +316,7 @@ def test_schedule():
     assert overlapped(schedule_trace(), "reduce_scatter", "backward") == ["layers.1"]
     assert overlapped(schedule_trace(wait_at_once=True), "all_gather", "forward") == ["layers.0"]
     assert overlapped(schedule_trace(blocking_issue=True), "all_gather", "forward") == ["layers.0"]
+    assert overlapped(schedule_trace(polled_at_once=True), "all_gather", "forward") == ["layers.0"]
     assert overlapped(schedule_trace(reduce_done_at_once=True), "reduce_scatter", "backward") == []
 
 
@@ -332,11 +335,12 @@ def test_schedule_reads_the_hsdp_names():
 
 
 def test_marked_waits_puts_work_wait_back():
-    """The ranks run other jobs after a profiled one: Work.wait is marked only inside the `with`."""
+    """The ranks run other jobs after a profiled one: Work's ways to wait are marked only inside the `with`."""
     import torch.distributed as dist
 
-    plain = dist.Work.wait
+    names = ("wait", "is_completed", "get_future", "synchronize", "result")
+    plain = {name: getattr(dist.Work, name) for name in names}
     with pytest.raises(RuntimeError, match="training failed"), schedule.marked_waits():
-        assert dist.Work.wait is not plain
+        assert all(getattr(dist.Work, name) is not plain[name] for name in names)
         raise RuntimeError("training failed")
-    assert dist.Work.wait is plain
+    assert {name: getattr(dist.Work, name) for name in names} == plain

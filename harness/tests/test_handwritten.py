@@ -226,6 +226,23 @@ OUTSIDE = {
     "frame_attribute": ("g = (x for x in [1])\nf = g.gi_frame\n", 2, "an attribute of frames"),
     "hook_method": ("class A:\n    def __getattr__(self, name):\n        return name\n", 2, "a hook Python calls on its own"),
     "first_in_reading_order": ("import torch\nx = torch.os\nimport sys\n", 2, "`.os`, which is the module os"),
+    # A module reached as an attribute, then used through another name (its attributes are then unknown).
+    "module_attribute_aliased": ("import torch\nst = torch.storage\n", 2, "passes the module torch.storage around"),
+    "module_attribute_in_a_list": ("import torch\nf = [torch.storage][0]\n", 2,
+                                   "passes the module torch.storage around"),
+    "module_attribute_as_default": ("import torch\ndef f(m=torch.storage):\n    return m\n", 2,
+                                    "passes the module torch.storage around"),
+    # A name of such a module is never the file's own, though the file names an attribute so.
+    "own_name_over_a_private_one": ("class A:\n    def __init__(self):\n        self._load_from_bytes = None\n",
+                                    3, "a hand-written FSDP does not need"),
+    # A method taken from its class takes any object as self: torch.distributed, torch.Tensor.
+    "method_taken_from_the_class": ("import torch\nclass P:\n    def put(self, f):\n        self.x = f\n"
+                                    "P.put(torch.distributed, print)\n", 5, "call methods on your instances"),
+    "method_got_from_the_class": ("import torch\nclass P:\n    def put(self, f):\n        self.x = f\n"
+                                  "getattr(P, 'put')(torch.Tensor, print)\n", 5, "call methods on your instances"),
+    # Storage the memory check cannot see: a Python buffer's.
+    "borrowed_storage": ("import torch\nt = torch.frombuffer(b, dtype=torch.uint8)\n", 2, "borrowed (Python buffer)"),
+    "python_buffer": ("b = bytearray(64)\n", 1, "uses `bytearray`"),
 }
 
 

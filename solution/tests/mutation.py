@@ -72,6 +72,12 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     "wait-prefetch-at-once": [(
         "                order[i + 1].prefetch()\n",
         "                order[i + 1].prefetch()\n                order[i + 1].wait_for_unshard()\n")],
+    # Polls the all-gather until it is done, right after issuing it, outside the issue's range and with no
+    # Work.wait(): the FSDP ranges still say "waited later" (schedule.marked_waits marks the poll).
+    "poll-all-gather-at-once": [(
+        "            # endregion\n        self.state = ShardedState.GATHERING\n\n    def wait_for_unshard",
+        "            # endregion\n        self.state = ShardedState.GATHERING\n"
+        "        while not self.pending_gather.work.is_completed():\n            pass\n\n    def wait_for_unshard")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
@@ -435,17 +441,23 @@ SOURCE_CHEATS: dict[str, str] = {
     # The given one unchanged, its guard's class an ABC every type can be registered with.
     "given-lookup-abc": _GIVEN_LOOKUP.replace("import functools\n", "import abc\nimport functools\n", 1).replace(
         "class FSDPModule:", "class FSDPModule(abc.ABC):") + "\nFSDPModule.register(type(torch))\n",
+    # A module reached as an attribute, kept under another name: its attributes are then unknown to the check.
+    'module-alias': 'import torch\n\n\nclass Shard:\n    def __init__(self):\n        self.untyped = None\n\n\nst = torch.storage\nst.untyped\n',
+    # A plain method taken from the file's own class, called with torch.distributed as its self.
+    'method-from-class': 'import torch\n\n\nclass Patcher:\n    def install(self, fake):\n        self.all_gather_into_tensor = fake\n\n\nPatcher.install(torch.distributed, print)\n',
+    # Storage borrowed from a Python buffer: outside torch's CPU allocator, unseen by the memory check.
+    'borrowed-storage': 'import torch\n\nkept = torch.frombuffer(bytes(64), dtype=torch.uint8)\n',
 }
 SOURCE_REFUSALS: dict[str, str] = {
-    'own-name-on-torch-module': '`._load_from_bytes`',
+    'own-name-on-torch-module': '`_load_from_bytes`',
     'write-through-instance-class': 'writes over `.add_`',
-    'write-through-list-item': 'writes over `.all_reduce`',
+    'write-through-list-item': 'passes the module torch.distributed around',
     'write-through-loop-variable': 'writes over `.sum`',
     'type-alias-namespace': 'names `__reduce__` in a string or keyword',
     'dict-keyword-dunder': 'names `__getattr__` in a string or keyword',
     'enum-alias-hook': 'names `__reduce_ex__` in a string or keyword',
-    'copyreg-dispatch-table': '`.dispatch_table`',
-    'global-hook-table': '`._global_forward_hooks`',
+    'copyreg-dispatch-table': '`dispatch_table`',
+    'global-hook-table': '`_global_forward_hooks`',
     'process-group-file-store': '`init_process_group`',
     "annotation-type-hints": '`get_type_hints`',
     "forward-ref": '`ForwardRef`',
@@ -499,6 +511,9 @@ SOURCE_REFUSALS: dict[str, str] = {
     "given-lookup-guard": "binds `FSDPModule` again",
     "given-lookup-wraps": "binds `functools` again",
     "given-lookup-abc": "`FSDPModule` must be bound once, by `class FSDPModule: (no base, keyword or decorator)`",
+    'module-alias': 'passes the module torch.storage around',
+    'method-from-class': 'takes `Patcher.install` from the class',
+    'borrowed-storage': 'borrowed (Python buffer) storage',
 }
 CHEATS.update(SOURCE_CHEATS)
 

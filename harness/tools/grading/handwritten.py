@@ -140,9 +140,17 @@ ADVICE = {
                     "register hooks on the modules you wrap (module.register_forward_pre_hook...)"),
     # Storage outside torch's CPU allocator, which the graded memory check counts (harness/memory.py).
     **dict.fromkeys(("share_memory_", "from_file", "_share_filename_", "_share_fd_", "_new_shared",
-                     "_new_shared_filename", "_new_shared_fd"),
+                     "_new_shared_filename", "_new_shared_fd", "frombuffer", "asarray", "from_buffer",
+                     "from_dlpack", "bytearray", "memoryview"),
                     "allocate with torch's ordinary allocator (torch.empty, new_zeros...): the graded memory "
-                    "check counts its tensors, and shared or file-backed storage would hide from it"),
+                    "check counts its tensors, and shared, file-backed or borrowed (Python buffer) storage "
+                    "would hide from it"),
+    # Reached through a module alias, each runs code or changes every module in the process.
+    **dict.fromkeys(("_load_from_bytes", "_global_forward_hooks", "_global_forward_pre_hooks",
+                     "_global_backward_hooks", "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
+                     "_global_forward_hooks_with_kwargs", "_global_module_registration_hooks",
+                     "_global_parameter_registration_hooks", "_global_buffer_registration_hooks",
+                     "dispatch_table"), _ARGS),
 }
 FORBIDDEN_NAMES = set(ADVICE)
 # Parts of an import's dotted name refused with their own advice; any other module outside
@@ -150,7 +158,8 @@ FORBIDDEN_NAMES = set(ADVICE)
 _IMPORT_PARTS = set(_FSDP2_NAMES) | set(_HARNESS) | {"serialization", "cpp_extension"}
 # Builtins that evaluate, import, open or reach what the file did not write.
 REFUSED_BUILTINS = {"eval", "exec", "compile", "globals", "locals", "vars", "__import__", "open", "input",
-                    "breakpoint", "help", "exit", "quit", "__builtins__", "__loader__", "__spec__"}
+                    "breakpoint", "help", "exit", "quit", "__builtins__", "__loader__", "__spec__", "bytearray",
+                    "memoryview"}
 # Dunders a file may read or write (`x.__name__`, `__slots__ = ...`): none leads to a module,
 # globals, code or a frame. Not `__annotations__` (dataclass writes its keys into the source of the
 # __init__ it compiles), `__dict__`, `__mro__`, `__subclasses__`, `__globals__`, `__self__`...
@@ -242,6 +251,8 @@ def _introspect() -> _Names:
                 seen.add(name)
                 if isinstance(value, type):
                     classes.append(value)
+            else:  # a name of a module a shadowed attribute reaches (torch.storage): never the file's own
+                seen.add(name)
     for cls in classes:
         # Instance attributes a class declares (nn.Linear's weight and in_features, Shard's dim).
         for declared in (vars(cls).get("__annotations__"), vars(cls).get("__constants__")):
@@ -288,6 +299,8 @@ class _Check:
         self.imported: dict[str, object] = {}  # name bound by an import -> what it binds
         self.module_aliases: set[str] = set()  # those bound to a module
         self.own: set[str] = set()  # names the file defines: functions, classes, arguments, attributes
+        self.own_classes: set[str] = set()  # the classes it defines
+        self.own_methods: set[str] = set()  # the plain methods they define
         self.foreign: set[str] = set()  # its variables bound to classes, modules or functions of torch or Python
 
     def where(self, node: ast.AST) -> str:
@@ -358,6 +371,15 @@ class _Check:
     # ------------------------------------------------------------------------------ the file's own names
 
     def collect_own_names(self) -> None:
+        # The file's classes, and the names of the plain methods (neither static nor class methods) any of
+        # them defines: read from a class (`Cls.method`), such a method takes any object as its self.
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.ClassDef):
+                self.own_classes.add(node.name)
+                self.own_methods.update(
+                    f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and not any(isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod")
+                                for d in f.decorator_list))
         for node in ast.walk(self.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 self.own.add(node.name)
@@ -572,6 +594,19 @@ class _Check:
                                    f"only {', '.join(sorted(only[0]))} ({only[1]})")
             elif problem := self.attribute_problem(node.attr, node, base=base):
                 return problem
+            # A module reached as an attribute is used in place (torch.x.y): through another name (a variable,
+            # a list, a default argument) its attributes would be unknown to this check.
+            if isinstance(node.ctx, ast.Load) and isinstance(module := self.resolve(node), types.ModuleType):
+                parent = self.parents.get(id(node))
+                if not (isinstance(parent, ast.Attribute) and parent.value is node):
+                    return Outside(f"{where} passes the module {module.__name__} around (`{ast.unparse(node)}`): use "
+                                   "its members in place (torch.x.y), so the check can read what is used")
+            # A plain method read from the file's own class takes whatever its caller passes as self.
+            if isinstance(node.value, ast.Name) and isinstance(node.ctx, ast.Load) \
+                    and node.value.id in self.own_classes and node.attr in self.own_methods:
+                return Outside(f"{where} takes `{ast.unparse(node)}` from the class, where its first argument is whatever "
+                               "the call passes (torch's or Python's objects too): call methods on your instances "
+                               "(obj.method(...)), or make it a @staticmethod without self")
             return None if isinstance(node.ctx, ast.Load) else self.write_problem(node, "writes")
         if isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load):
             return self.write_problem(node, "writes into")
@@ -625,6 +660,10 @@ class _Check:
             if func in ("setattr", "delattr") and (problem := self.write_problem(node.args[0], f"calls {func} on")):
                 return problem
             if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                if isinstance(node.args[0], ast.Name) and node.args[0].id in self.own_classes \
+                        and key.value in self.own_methods:
+                    return Outside(f"{where} takes the method `{key.value}` from the class {node.args[0].id}, where "
+                                   "its first argument is whatever the call passes: call methods on your instances")
                 return self.attribute_problem(key.value, node)
             if func in ("getattr", "hasattr"):
                 given = self.given_lookup(node)

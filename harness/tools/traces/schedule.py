@@ -52,26 +52,57 @@ class Scheduled:
 
 
 BLOCKING_WAIT, DONE_WAIT = "Work.wait (blocking)", "Work.wait (done)"
+POLLED_DONE, OTHER_WAIT = "Work.is_completed (polled until true)", "Work.wait (other)"
+"""a Work that `is_completed()` found running, then finished (a loop that polls it waits as much as
+`wait()`), and the other ways to wait for one (get_future, synchronize, result): each marked where it
+happened, so that no way of waiting goes unseen. Unlike `wait()`, which an FSDP may call for another
+group's collective in the hook that issued this one, an FSDP never needs either for its own: found in
+the hook that issued a collective, after the issue, they are a wait at once."""
+WAIT_MARKS = (BLOCKING_WAIT, DONE_WAIT, POLLED_DONE, OTHER_WAIT)
+HOOK_WAIT_MARKS = (POLLED_DONE, OTHER_WAIT)
 
 
 @contextlib.contextmanager
 def marked_waits():
     """Every `Work.wait()` of the process shows in the trace as a range, named for whether the
     work was still running: a wait right after the issue, inside the same FSDP range (a blocking
-    all-gather, `async_op=False`), is then seen even when no FSDP range marks it. Only inside the
-    `with`: the ranks run other jobs afterwards, so the plain method is put back however it ends."""
+    all-gather, `async_op=False`), is then seen even when no FSDP range marks it. So do the other
+    ways to learn that a collective is done: `is_completed()` when it says True (a loop polling it
+    waits as much as `wait()`), `get_future()`, `synchronize()`, `result()`. Only inside the `with`:
+    the ranks run other jobs afterwards, so the plain methods are put back however it ends."""
     work = torch.distributed.Work
-    plain = work.wait
+    plain = {name: getattr(work, name) for name in ("wait", "is_completed", "get_future", "synchronize", "result")}
 
     def wait(self, *args, **kwargs):
-        with torch.profiler.record_function(DONE_WAIT if self.is_completed() else BLOCKING_WAIT):
-            return plain(self, *args, **kwargs)
+        with torch.profiler.record_function(DONE_WAIT if plain["is_completed"](self) else BLOCKING_WAIT):
+            return plain["wait"](self, *args, **kwargs)
 
-    work.wait = wait
+    running: set[int] = set()  # the Works is_completed() found running
+
+    def is_completed(self):
+        done = plain["is_completed"](self)
+        if not done:
+            running.add(id(self))
+        elif id(self) in running:
+            running.discard(id(self))
+            with torch.profiler.record_function(POLLED_DONE):
+                pass
+        return done
+
+    def other(name):
+        def waits(self, *args, **kwargs):
+            with torch.profiler.record_function(OTHER_WAIT):
+                return plain[name](self, *args, **kwargs)
+        return waits
+
+    work.wait, work.is_completed = wait, is_completed
+    for name in ("get_future", "synchronize", "result"):
+        setattr(work, name, other(name))
     try:
         yield
     finally:
-        work.wait = plain
+        for name, method in plain.items():
+            setattr(work, name, method)
 
 
 def schedule(trace: Trace | str | Path | dict) -> list[Scheduled]:
@@ -100,7 +131,8 @@ def schedule(trace: Trace | str | Path | dict) -> list[Scheduled]:
         for op in (op for op in t.ops if (op["pid"], op["tid"]) == thread):
             if (group := t.group_of(op)) is not None and C10D_OPS[op["name"]][0] in ("all_gather", "reduce_scatter"):
                 issues[C10D_OPS[op["name"]][0], group].append(op)
-        any_wait = sorted(e["ts"] for e in on if e["name"] in (BLOCKING_WAIT, DONE_WAIT))
+        any_wait = sorted(e["ts"] for e in on if e["name"] in WAIT_MARKS)
+        hook_wait = sorted(e["ts"] for e in on if e["name"] in HOOK_WAIT_MARKS)
         group_ranges = t.groups.get(thread)
         for (kind, group), ops in issues.items():
             for k, op in enumerate(ops):
@@ -114,8 +146,11 @@ def schedule(trace: Trace | str | Path | dict) -> list[Scheduled]:
                 issuing = next(((s, e) for s, e, _ in group_ranges.ranges if s <= op["ts"] <= e), None)
                 j = bisect.bisect_left(any_wait, end)
                 hook = span_at(fsdp, op["ts"])
+                h = bisect.bisect_left(hook_wait, end)
                 if issuing and j < len(any_wait) and any_wait[j] <= issuing[1]:
                     waited, what = any_wait[j], "at once"
+                elif hook and h < len(hook_wait) and hook_wait[h] <= hook[1]:
+                    waited, what = hook_wait[h], "at once"
                 elif waited is not None and hook and waited <= hook[1]:
                     what = "at once"
                 blocked = what != "reduce_scatter_done"
