@@ -53,9 +53,10 @@ def test_pytest_test_fsdp():
 def test_torchrun_train_fsdp2(tmp_path):
     """`torchrun --nproc-per-node 2 train.py --fsdp fsdp2`, the README's first run, with its
     defaults (profiling included): one line per step, each rank's trace with its profiled steps and
-    FSDP2's collectives, snapshots that memory_viz reads, none of a CPU profile's noise. It runs in a copy of train.py beside the real harness and
-    assets, so a student's own traces/ and snapshots/ are left alone; the port comes from
-    torchrun's environment variable, so the command line stays the handout's."""
+    FSDP2's collectives, snapshots that memory_viz reads, none of a CPU profile's noise. It runs in a
+    copy of train.py beside the real harness and assets, so a student's own traces/ and snapshots/
+    are left alone; the port comes from torchrun's environment variable, so the command line stays
+    the handout's."""
     assets.ensure(ROOT, log=lambda msg: None)
     shutil.copy(ROOT / "train.py", tmp_path / "train.py")  # train.py writes beside itself (its ROOT)
     for name in ("harness", "c4_test", "tokenizer", "fsdp.py"):

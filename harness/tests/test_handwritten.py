@@ -234,7 +234,7 @@ OUTSIDE = {
                                     "passes the module torch.storage around"),
     # A name of such a module is never the file's own, though the file names an attribute so.
     "own_name_over_a_private_one": ("class A:\n    def __init__(self):\n        self._load_from_bytes = None\n",
-                                    3, "a hand-written FSDP does not need"),
+                                    3, "which is private to torch or Python"),
     # A method taken from its class takes any object as self: torch.distributed, torch.Tensor.
     "method_taken_from_the_class": ("import torch\nclass P:\n    def put(self, f):\n        self.x = f\n"
                                     "P.put(torch.distributed, print)\n", 5, "call methods on your instances"),

@@ -449,15 +449,15 @@ SOURCE_CHEATS: dict[str, str] = {
     'borrowed-storage': 'import torch\n\nkept = torch.frombuffer(bytes(64), dtype=torch.uint8)\n',
 }
 SOURCE_REFUSALS: dict[str, str] = {
-    'own-name-on-torch-module': '`_load_from_bytes`',
+    'own-name-on-torch-module': '`._load_from_bytes`',
     'write-through-instance-class': 'writes over `.add_`',
     'write-through-list-item': 'passes the module torch.distributed around',
     'write-through-loop-variable': 'writes over `.sum`',
     'type-alias-namespace': 'names `__reduce__` in a string or keyword',
     'dict-keyword-dunder': 'names `__getattr__` in a string or keyword',
     'enum-alias-hook': 'names `__reduce_ex__` in a string or keyword',
-    'copyreg-dispatch-table': '`dispatch_table`',
-    'global-hook-table': '`_global_forward_hooks`',
+    'copyreg-dispatch-table': '`.dispatch_table`',
+    'global-hook-table': '`._global_forward_hooks`',
     'process-group-file-store': '`init_process_group`',
     "annotation-type-hints": '`get_type_hints`',
     "forward-ref": '`ForwardRef`',

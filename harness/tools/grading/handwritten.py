@@ -145,12 +145,6 @@ ADVICE = {
                     "allocate with torch's ordinary allocator (torch.empty, new_zeros...): the graded memory "
                     "check counts its tensors, and shared, file-backed or borrowed (Python buffer) storage "
                     "would hide from it"),
-    # Reached through a module alias, each runs code or changes every module in the process.
-    **dict.fromkeys(("_load_from_bytes", "_global_forward_hooks", "_global_forward_pre_hooks",
-                     "_global_backward_hooks", "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
-                     "_global_forward_hooks_with_kwargs", "_global_module_registration_hooks",
-                     "_global_parameter_registration_hooks", "_global_buffer_registration_hooks",
-                     "dispatch_table"), _ARGS),
 }
 FORBIDDEN_NAMES = set(ADVICE)
 # Parts of an import's dotted name refused with their own advice; any other module outside
@@ -223,6 +217,7 @@ def _names() -> _Names:
 def _introspect() -> _Names:
     module_names: dict[str, str] = {}
     seen: set[str] = set()
+    hidden: set[str] = set()
     classes: list[type] = [list, dict, set, frozenset, tuple, str, bytes, int, float, complex, bool, range, slice,
                            object, BaseException, memoryview, type(print), types.FunctionType,
                            types.MethodType, type(torch.autograd.Variable._execution_engine)]
@@ -251,8 +246,8 @@ def _introspect() -> _Names:
                 seen.add(name)
                 if isinstance(value, type):
                     classes.append(value)
-            else:  # a name of a module a shadowed attribute reaches (torch.storage): never the file's own
-                seen.add(name)
+            else:  # a name of a module a shadowed attribute reaches (torch.storage): not API, never the file's own
+                hidden.add(name)
     for cls in classes:
         # Instance attributes a class declares (nn.Linear's weight and in_features, Shard's dim).
         for declared in (vars(cls).get("__annotations__"), vars(cls).get("__constants__")):
@@ -274,7 +269,8 @@ def _introspect() -> _Names:
               for n in dir(t) if n.startswith(("f_", "co_", "tb_", "gi_", "cr_", "ag_", "cell_"))}
     refused = FORBIDDEN_NAMES | frames | set(module_names)
     api = {n for n in seen if not n.startswith("_")} | PRIVATE_ATTRS | SUBMODULE_ATTRS | SHADOWED_MODULE_ATTRS
-    return _Names(frozenset(api - refused), module_names, frozenset(frames), frozenset(seen), frozenset(parents))
+    return _Names(frozenset(api - refused), module_names, frozenset(frames), frozenset(seen | hidden),
+                  frozenset(parents))
 
 
 def static_problem(path: Path) -> str | None:

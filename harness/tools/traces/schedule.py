@@ -67,17 +67,18 @@ def marked_waits():
     """Every `Work.wait()` of the process shows in the trace as a range, named for whether the
     work was still running: a wait right after the issue, inside the same FSDP range (a blocking
     all-gather, `async_op=False`), is then seen even when no FSDP range marks it. So do the other
-    ways to learn that a collective is done: `is_completed()` when it says True (a loop polling it
-    waits as much as `wait()`), `get_future()`, `synchronize()`, `result()`. Only inside the `with`:
+    ways to learn that a collective is done: `is_completed()` saying True after it said False (a loop
+    polling it waits as much as `wait()`), `get_future()`, `synchronize()`, `result()`. Only inside the `with`:
     the ranks run other jobs afterwards, so the plain methods are put back however it ends."""
     work = torch.distributed.Work
     plain = {name: getattr(work, name) for name in ("wait", "is_completed", "get_future", "synchronize", "result")}
 
+    running: set[int] = set()  # the Works is_completed() found running and nothing has waited for since
+
     def wait(self, *args, **kwargs):
+        running.discard(id(self))  # waited for: a later Work at this address starts unpolled
         with torch.profiler.record_function(DONE_WAIT if plain["is_completed"](self) else BLOCKING_WAIT):
             return plain["wait"](self, *args, **kwargs)
-
-    running: set[int] = set()  # the Works is_completed() found running
 
     def is_completed(self):
         done = plain["is_completed"](self)
@@ -91,6 +92,7 @@ def marked_waits():
 
     def other(name):
         def waits(self, *args, **kwargs):
+            running.discard(id(self))
             with torch.profiler.record_function(OTHER_WAIT):
                 return plain[name](self, *args, **kwargs)
         return waits
