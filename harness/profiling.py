@@ -233,6 +233,7 @@ class StepProfiler:
             self._recording_cuda_memory = False
 
     def _write_outputs(self, prof: torch.profiler.profile) -> None:
+        _refuse_unwritable_names(prof)
         self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.trace_path))
         if not self.memory:
@@ -247,6 +248,19 @@ class StepProfiler:
                 snapshot = snapshot_from_chrome_trace(json.load(f))
             with open(self.snapshot_path, "wb") as f:
                 pickle.dump(snapshot, f, protocol=_PICKLE_PROTOCOL)
+
+
+def _refuse_unwritable_names(prof: torch.profiler.profile) -> None:
+    """The chrome trace is JSON that torch writes without escaping names: a `record_function` name with
+    a quote, a backslash or a control character would end its string early, and the rest would be read as
+    events of their own (a forged op, a collective). Such a name is refused before anything is written."""
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() != torch.autograd.DeviceType.CPU:
+            continue  # a device's kernels and copies: named by the libraries, not by the program
+        name = event.name()
+        if any(c in '"\\' or ord(c) < 0x20 for c in name):
+            raise ValueError(f"a profiled range is named {name!r}: the trace cannot hold a quote, a backslash or a "
+                             "control character in a name; name your record_function ranges with plain text")
 
 
 # ----------------------------------------------------------------------------------------------

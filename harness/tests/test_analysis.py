@@ -340,7 +340,46 @@ def test_marked_waits_puts_work_wait_back():
 
     names = ("wait", "is_completed", "get_future", "synchronize", "result")
     plain = {name: getattr(dist.Work, name) for name in names}
+    barrier = dist.barrier
     with pytest.raises(RuntimeError, match="training failed"), schedule.marked_waits():
-        assert all(getattr(dist.Work, name) is not plain[name] for name in names)
+        assert all(getattr(dist.Work, name) is not plain[name] for name in names) and dist.barrier is not barrier
         raise RuntimeError("training failed")
-    assert {name: getattr(dist.Work, name) for name in names} == plain
+    assert {name: getattr(dist.Work, name) for name in names} == plain and dist.barrier is barrier
+
+
+def test_marked_compute_counts_only_the_models(tmp_path):
+    """With a mark, compute is the model's: its leaf modules' forwards (inside the secret-named range) and
+    autograd's own backward nodes; a token op, one in a range named like a backward node, or one in a range
+    under another name is not. The leaf classes' forwards are put back however the run ends."""
+    import torch
+    import torch.nn as nn
+
+    class Sub(nn.Linear):  # a subclass may add code around the forward: never marked
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Sub(8, 8))
+    plain = nn.Linear.forward
+    mark = "## model compute 1234 ##"
+
+    def token(name):
+        with torch.profiler.record_function(name):
+            torch.zeros(1).add_(1)
+
+    with torch.profiler.profile() as prof:
+        with pytest.raises(RuntimeError, match="stopped"), schedule.marked_compute(model, mark):
+            assert nn.Linear.forward is not plain
+            model(torch.randn(4, 8)).sum().backward()
+            torch.zeros(1).add_(1)
+            token("MmBackward0")
+            token("## model compute 9999 ##")
+            raise RuntimeError("stopped")
+    assert nn.Linear.forward is plain
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    on = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    by_ts = {e["ts"]: e["name"] for e in on if e.get("cat") == "cpu_op"}
+    counted = [by_ts[t] for t in schedule.compute_ops(on, [], [], mark)]
+    assert len([e for e in on if e["name"] == mark]) == 2  # nn.Linear's and nn.ReLU's, not Sub's
+    assert "aten::addmm" in counted and "aten::mm" in counted  # forward in the leaf, backward in AddmmBackward0
+    assert "aten::add_" not in counted and "aten::zeros" not in counted, counted
+    unmarked = [by_ts[t] for t in schedule.compute_ops(on, [], [], None)]
+    assert "aten::add_" in unmarked  # what a student's own trace counts

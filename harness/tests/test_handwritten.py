@@ -17,6 +17,9 @@ HONEST = {
     "print_debugging": "import torch\ndef f(x):\n    print(f'{x.shape=} {x.dtype}', flush=True)\n    return x\n",
     "logging": "import logging\nlog = logging.getLogger(__name__)\nlog.debug('gathered %d', 3)\n",
     "timing": "import time\nt = time.perf_counter()\n",
+    "own_function_given_a_collective": "import torch.distributed as dist\ndef run(op, t):\n    return op(t)\n"
+                                       "run(dist.all_reduce, 1)\n",
+    "module_class_swapped": "def swap(module, cls):\n    module.__class__ = cls\n",
     "getattr_literal": "def f(m):\n    return getattr(m, 'weight', None), hasattr(m, 'bias')\n",
     "setattr_computed": "def f(m, name, p):\n    setattr(m, name, p)\n",
     "dunders": "class A:\n    __slots__ = ('x',)\n    def __eq__(self, o):\n        return self.__class__ is o.__class__\n"
@@ -240,6 +243,21 @@ OUTSIDE = {
                                     "P.put(torch.distributed, print)\n", 5, "call methods on your instances"),
     "method_got_from_the_class": ("import torch\nclass P:\n    def put(self, f):\n        self.x = f\n"
                                   "getattr(P, 'put')(torch.Tensor, print)\n", 5, "call methods on your instances"),
+    "method_read_through_the_instance_class": ("class P:\n    def put(self, f):\n        self.x = f\n"
+                                               "g = type(P()).put\n", 4, "call methods on your instances"),
+    "method_read_through_cls": ("class P:\n    def put(self, f):\n        self.x = f\n    @classmethod\n"
+                                "    def get(cls):\n        return cls.put\n", 6, "call methods on your instances"),
+    "static_method_with_a_self": ("class P:\n    @staticmethod\n    def put(self, f):\n        self.add_ = f\n", 4,
+                                  "writes over `.add_`"),
+    "setattr_named_like_torch": ("import torch\nfor T in (torch.Tensor,):\n    setattr(T, 'sum', print)\n", 3,
+                                 "writes over `.sum`"),
+    "dunder_written_on_another_object": ("def f(o, g):\n    o.__exit__ = g\n", 2, "a hook Python calls on its own"),
+    "torch_class_to_own_function": ("import torch\ndef put(o, n, v):\n    setattr(o, n, v)\n"
+                                    "put(torch.profiler.profile, 'x', 1)\n", 4, "to its own function put"),
+    "boxed_work": ("def f(work):\n    work.boxed().wait()\n", 2, "its work handle's wait()"),
+    "device_module": ("import torch\nm = torch.get_device_module('cpu')\n", 2, "use it by name"),
+    "saved_tensor_hooks": ("import torch\ndef f(x):\n    with torch.autograd.graph.saved_tensors_hooks(id, id):\n"
+                           "        return x * 2\n", 3, "never needs saved-tensor hooks"),
     # Storage the memory check cannot see: a Python buffer's.
     "borrowed_storage": ("import torch\nt = torch.frombuffer(b, dtype=torch.uint8)\n", 2, "borrowed (Python buffer)"),
     "python_buffer": ("b = bytearray(64)\n", 1, "uses `bytearray`"),

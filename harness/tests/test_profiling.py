@@ -252,3 +252,17 @@ def test_collectives_visible_with_gloo(tmp_path):
     names = {e.get("name") for e in events}
     assert {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_"} <= names
     assert "gloo:all_gather" in names  # on a gloo worker thread
+
+
+@pytest.mark.parametrize("name", ['x", "cat": "cpu_op", "name": "aten::forged', "back\\slash", "new\nline"])
+def test_a_range_name_json_cannot_hold_is_refused(tmp_path, name):
+    """torch writes range names into the trace unescaped: one that would end its JSON string early (and
+    forge events after it) is refused by name before anything is written."""
+    def labelled():
+        with torch.profiler.record_function(name):
+            torch.zeros(1).add_(1)
+
+    with pytest.raises(ValueError, match="cannot hold a quote, a backslash or a control character"):
+        with make_profiler(tmp_path, active=1, skip=0, memory=False) as prof:
+            train(prof, steps=1, extra=labelled)
+    assert not prof.trace_path.exists()

@@ -78,6 +78,25 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            # endregion\n        self.state = ShardedState.GATHERING\n\n    def wait_for_unshard",
         "            # endregion\n        self.state = ShardedState.GATHERING\n"
         "        while not self.pending_gather.work.is_completed():\n            pass\n\n    def wait_for_unshard")],
+    # No prefetch: each group's all-gather issued in its own pre-forward and waited for after a token op
+    # outside FSDP's ranges, which is not the model's compute (schedule's [Note: what counts as compute]).
+    "token-compute-forward": [(
+        "        with record_function(self.group.label(\"pre_forward\")):\n"
+        "            self.group.unshard()  # no-op if prefetched or still gathered\n",
+        "        self.group.unshard()\n        torch.zeros(1).add_(1)\n"
+        "        with record_function(self.group.label(\"pre_forward\")):\n"), (
+        "                order[i + 1].prefetch()\n", "                pass\n")],
+    # The same in backward, and each reduce-scatter finished after a token op right after its issue.
+    "token-compute-backward": [(
+        "        with record_function(self.group.label(\"pre_backward\")):\n",
+        "        self.group.unshard()\n        torch.zeros(1).add_(1)\n"
+        "        with record_function(self.group.label(\"pre_backward\")):\n"), (
+        "                self.prefetch_next_backward()\n", "                pass\n"), (
+        "            self.reduce_grads()\n",
+        "            self.reduce_grads()\n        torch.zeros(1).add_(1)\n"
+        "        if self.ctx.pending_reduce is not None:\n"
+        "            self.ctx.pending_reduce, pending = None, self.ctx.pending_reduce\n"
+        "            pending.finish()\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
@@ -447,6 +466,14 @@ SOURCE_CHEATS: dict[str, str] = {
     'method-from-class': 'import torch\n\n\nclass Patcher:\n    def install(self, fake):\n        self.all_gather_into_tensor = fake\n\n\nPatcher.install(torch.distributed, print)\n',
     # Storage borrowed from a Python buffer: outside torch's CPU allocator, unseen by the memory check.
     'borrowed-storage': 'import torch\n\nkept = torch.frombuffer(bytes(64), dtype=torch.uint8)\n',
+    # A plain method read through the instance's type(), called with torch.distributed as its self.
+    'method-through-type': 'import torch\n\n\nclass Patcher:\n    def install(self, fake):\n        self.all_gather_into_tensor = fake\n\n\ntype(Patcher()).install(torch.distributed, print)\n',
+    # A @staticmethod whose first argument is named self, given torch.Tensor.
+    'static-method-self': 'import torch\n\n\nclass Patcher:\n    @staticmethod\n    def install(self, fake):\n        self.add_ = fake\n\n\nPatcher.install(torch.Tensor, print)\n',
+    # torch's class handed to the file's own function, which writes over its method with a computed name.
+    'torch-class-to-own-function': 'import torch\n\n\ndef install(owner, name, fake):\n    setattr(owner, name, fake)\n\n\ninstall(torch.Tensor, "add" + "_", print)\n',
+    # A wait the overlap check does not mark: the work handle boxed, then waited for.
+    'boxed-work': 'import torch.distributed as dist\n\n\ndef finish(work):\n    dist.Work.unbox(work.boxed()).wait()\n',
 }
 SOURCE_REFUSALS: dict[str, str] = {
     'own-name-on-torch-module': '`._load_from_bytes`',
@@ -514,6 +541,10 @@ SOURCE_REFUSALS: dict[str, str] = {
     'module-alias': 'passes the module torch.storage around',
     'method-from-class': 'takes `Patcher.install` from the class',
     'borrowed-storage': 'borrowed (Python buffer) storage',
+    'method-through-type': 'takes `type(Patcher()).install` from the class',
+    'static-method-self': 'writes over `.add_`',
+    'torch-class-to-own-function': 'passes `torch.Tensor`, torch\'s or Python\'s, to its own function install',
+    'boxed-work': "its work handle's wait()",
 }
 CHEATS.update(SOURCE_CHEATS)
 

@@ -130,6 +130,8 @@ def test_overlap_check_fails_without_the_task(pool2, tmp_path, strip, fails, pas
     ("wait-prefetch-at-once", ["forward"], ["backward"]),
     ("blocking-all-gather", ["forward", "backward"], []),
     ("poll-all-gather-at-once", ["forward", "backward"], []),
+    ("token-compute-forward", ["forward"], ["backward"]),
+    ("token-compute-backward", ["backward"], ["forward"]),
 ])
 def test_overlap_check_fails_when_waiting_at_once(mutant, pool2, tmp_path, name, fails, passes):
     """Overlap is judged by where the main thread waits: issuing early and waiting at once fails."""

@@ -12,6 +12,7 @@ has been run against deliberately broken variants of a correct FSDP and fails th
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import torch
 
@@ -26,6 +27,9 @@ from harness.tools.grading.ranks import RankError, RankPool, Ranks
 
 
 # --------------------------------------------------------------------------- running both
+
+# FSDP2 runs on trusted ranks: its compute mark needs no secret, and a fixed one keeps its runs storable.
+FSDP2_MARK = "## model compute ##"
 
 
 def run(pool: Ranks | RankPool, fn, *args):
@@ -42,11 +46,12 @@ def run(pool: Ranks | RankPool, fn, *args):
         raise type(e)(where + str(e)) from None
 
 
-def run_fsdp2(pool: Ranks, job, *args, fresh: bool = False, analysed: bool = False):
+def run_fsdp2(pool: Ranks, job, *args, fresh: bool = False, analysed: bool = False, mark: str | None = None):
     """FSDP2's side of a comparison, `run(pool, job, *args)` (fresh: on fresh ranks like the pool's),
     or what the same run gave before (fsdp2_cache, keyed by everything it depends on). A profiled
     run's traces (and snapshots) are written to its folders either way; analysed: (the runs, the
-    traces' RunStats), stored together, so a stored run's traces are not analysed again."""
+    traces' RunStats), stored together, so a stored run's traces are not analysed again; mark: the name of
+    the ranges the job put around the model's compute (schedule.marked_compute), for the analysis."""
     __tracebackhide__ = True
 
     def compute(fresh: bool = fresh):
@@ -55,7 +60,7 @@ def run_fsdp2(pool: Ranks, job, *args, fresh: bool = False, analysed: bool = Fal
         else:
             with RankPool(pool.world_size, device=pool.device, role="trusted") as ranks:
                 runs = run(ranks, job, *args)
-        return (runs, analyze_run(cfg.traces_dir)) if analysed else runs
+        return (runs, analyze_run(cfg.traces_dir, mark=mark)) if analysed else runs
 
     cfg = next((a for a in args if isinstance(a, train.Config)), None)
     if pool.device != "cpu" or (cfg and ((cfg.profile_steps and (cfg.traces_dir is None or (
@@ -239,12 +244,15 @@ def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory
     for name, cfg in (("fsdp2", as_fsdp2(cfg_effdl)), ("effdl", cfg_effdl)):
         cfg = dataclasses.replace(cfg, traces_dir=folder / name / "traces", profile_memory=memory,
                                   snapshots_dir=folder / name / "snapshots" if memory else None)
-        # unobserved: the trace as the program runs
+        # unobserved: the trace as the program runs. The model's compute is marked under a name the file
+        # under test cannot know (drawn here for each run), so it cannot mark its own ops as compute.
         if name == "fsdp2":
-            results[name], stats[name] = run_fsdp2(pool, train_job, cfg, False, analysed=True)
+            results[name], stats[name] = run_fsdp2(pool, train_job, cfg, False, FSDP2_MARK, analysed=True,
+                                                   mark=FSDP2_MARK)
         else:
-            results[name] = run(pool, train_job, cfg, False)
-            stats[name] = analyze_run(cfg.traces_dir)
+            mark = f"## model compute {secrets.token_hex(16)} ##"
+            results[name] = run(pool, train_job, cfg, False, mark)
+            stats[name] = analyze_run(cfg.traces_dir, mark=mark)
     return Profiles(what, stats["fsdp2"], stats["effdl"]), results
 
 

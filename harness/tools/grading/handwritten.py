@@ -124,6 +124,14 @@ ADVICE = {
                      "export_memory_timeline", "tensorboard_trace_handler", "ExecutionTraceObserver", "basicConfig",
                      "FileHandler", "handlers", "addHandler", "Handler", "StreamHandler", "setLoggerClass",
                      "setLogRecordFactory", "showwarning", "formatwarning", "input", "help"), _FILES),
+    # Waits no trace marks as one (Work.wait is marked: harness/tools/traces/schedule.py), and a way to any module.
+    **dict.fromkeys(("boxed", "unbox"),
+                    "wait for a collective with its work handle's wait(), which the overlap check sees"),
+    "get_device_module": _COMPUTED,
+    # Saved-tensor hooks run inside autograd's backward nodes, which the overlap check counts as the model's compute.
+    **dict.fromkeys(("saved_tensors_hooks", "save_on_cpu", "disable_saved_tensors_hooks"),
+                    "an FSDP never needs saved-tensor hooks: they run inside the model's backward, where the "
+                    "overlap check counts only the model's compute"),
     # A numpy array's methods write files (tofile, dump): the FSDP works on tensors.
     "numpy": "work on tensors: an FSDP never needs numpy",
     # Each unpickles what another process sent.
@@ -180,10 +188,15 @@ def _torch_callables() -> frozenset[str]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    owners = (torch, torch.Tensor, torch.nn.Module, torch.nn.Parameter, dist, F)
+    owners = (torch, torch.Tensor, torch.nn.Module, torch.nn.Parameter, dist, F, dist.Work, torch.profiler.profile,
+              torch.autograd.Function, torch.UntypedStorage)
     return frozenset(n for o in owners for n in dir(o) if not _dunder(n)
                      and callable(inspect.getattr_static(o, n, None)) and not isinstance(inspect.getattr_static(o, n, None), type)
                      and not isinstance(inspect.getattr_static(o, n, None), property))
+
+
+def _decorated(func: ast.FunctionDef | ast.AsyncFunctionDef, *names: str) -> bool:
+    return any(isinstance(d, ast.Name) and d.id in names for d in func.decorator_list)
 
 
 def _dunder(name: str) -> bool:
@@ -297,6 +310,8 @@ class _Check:
         self.own: set[str] = set()  # names the file defines: functions, classes, arguments, attributes
         self.own_classes: set[str] = set()  # the classes it defines
         self.own_methods: set[str] = set()  # the plain methods they define
+        self.class_args: set[str] = set()  # the names their classmethods give their class (cls)
+        self.own_functions: set[str] = set()  # the functions it defines outside classes
         self.foreign: set[str] = set()  # its variables bound to classes, modules or functions of torch or Python
 
     def where(self, node: ast.AST) -> str:
@@ -374,8 +389,15 @@ class _Check:
                 self.own_classes.add(node.name)
                 self.own_methods.update(
                     f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and not any(isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod")
-                                for d in f.decorator_list))
+                    and not _decorated(f, "staticmethod", "classmethod"))
+                self.own_methods.update(t.id for a in node.body if isinstance(a, ast.Assign)
+                                        and isinstance(a.value, ast.Lambda) for t in a.targets if isinstance(t, ast.Name))
+                self.class_args.update(f.args.args[0].arg for f in node.body if isinstance(f, ast.FunctionDef)
+                                       and _decorated(f, "classmethod") and f.args.args)
+        for node in ast.walk(self.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and not isinstance(self.parents.get(id(node)), ast.ClassDef):
+                self.own_functions.add(node.name)
         for node in ast.walk(self.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 self.own.add(node.name)
@@ -540,30 +562,51 @@ class _Check:
                            f"fields name; {advice}")
         return None
 
-    def on_own_instance(self, node: ast.Attribute) -> bool:
-        """Whether `node` writes an attribute of `self` in a method of one of the file's classes (the
-        method's first argument, never rebound in it): the file's own instance, whose names are its own."""
+    def named_write_problem(self, node: ast.AST, name: str, target: ast.AST) -> str | None:
+        """Writing attribute `name` of `target` (`x.name = ...`, `setattr(x, "name", ...)`) where `target` may be
+        torch's, under whatever alias it was reached (a list item, a loop variable, a parameter, `type(t)`)."""
+        if self.on_own_instance(node, target):
+            return None
+        if name in _torch_callables():
+            return Outside(f"{self.where(node)} writes over `.{name}`, the name of a torch function or method: an "
+                           "FSDP calls torch and changes none of it; store your own values under names of your own")
+        if _dunder(name) and name != "__class__":  # __class__: how fully_shard gives a module its FSDP class
+            return Outside(f"{self.where(node)} writes `.{name}`, a hook Python calls on its own, on an object that may "
+                           "be torch's: a hand-written FSDP defines such methods only in its own classes")
+        return None
+
+    def a_class(self, node: ast.AST) -> bool:
+        """`node` is one of the file's classes or may be: its name, `x.__class__`, `type(x)`, a classmethod's cls."""
+        return isinstance(node, ast.Name) and (node.id in self.own_classes or node.id in self.class_args) \
+            or isinstance(node, ast.Attribute) and node.attr == "__class__" \
+            or isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type"
+
+    def on_own_instance(self, node: ast.AST, value: ast.AST | None = None) -> bool:
+        """Whether `node` writes an attribute of `self` (`value`, by default `node.value`) in a plain method of
+        one of the file's classes (the method's first argument, never rebound in it): the file's own
+        instance, whose names are its own."""
         func = self.parents.get(id(node))
         while func is not None and not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             func = self.parents.get(id(func))
         if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
-                not isinstance(self.parents.get(id(func)), ast.ClassDef) or not func.args.args:
+                not isinstance(self.parents.get(id(func)), ast.ClassDef) or not func.args.args \
+                or _decorated(func, "staticmethod", "classmethod"):
             return False
         me = func.args.args[0].arg
         rebound = any(isinstance(n, ast.Name) and n.id == me and not isinstance(n.ctx, ast.Load)
                       for n in ast.walk(func)) or any(isinstance(n, (ast.Global, ast.Nonlocal)) and me in n.names
                                                       for n in ast.walk(func))
-        return isinstance(node.value, ast.Name) and node.value.id == me and not rebound
+        value = node.value if value is None else value
+        return isinstance(value, ast.Name) and value.id == me and not rebound
 
     def node_problem(self, node: ast.AST) -> str | None:
         where = self.where(node)
         # torch's own functions and methods are never the file's to replace, under whatever alias it reached
         # them (a list item, a loop variable, a default argument, `type(t)`): no write to an attribute so named.
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) \
-                and node.attr in _torch_callables() and not self.on_own_instance(node) \
                 and not self.write_problem(node.value, "writes"):  # that one's own words below
-            return Outside(f"{where} writes over `.{node.attr}`, the name of a torch function or method: an FSDP "
-                           "calls torch and changes none of it; store your own values under names of your own")
+            if problem := self.named_write_problem(node, node.attr, node.value):
+                return problem
         # A dunder written as a string or a keyword becomes an attribute where the check cannot see it
         # (type()'s namespace, dict(__getattr__=...), enum's functional API, setattr): only the allowed ones.
         dunder = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else \
@@ -598,8 +641,7 @@ class _Check:
                     return Outside(f"{where} passes the module {module.__name__} around (`{ast.unparse(node)}`): use "
                                    "its members in place (torch.x.y), so the check can read what is used")
             # A plain method read from the file's own class takes whatever its caller passes as self.
-            if isinstance(node.value, ast.Name) and isinstance(node.ctx, ast.Load) \
-                    and node.value.id in self.own_classes and node.attr in self.own_methods:
+            if isinstance(node.ctx, ast.Load) and node.attr in self.own_methods and self.a_class(node.value):
                 return Outside(f"{where} takes `{ast.unparse(node)}` from the class, where its first argument is whatever "
                                "the call passes (torch's or Python's objects too): call methods on your instances "
                                "(obj.method(...)), or make it a @staticmethod without self")
@@ -655,9 +697,11 @@ class _Check:
             key = node.args[1]
             if func in ("setattr", "delattr") and (problem := self.write_problem(node.args[0], f"calls {func} on")):
                 return problem
+            if func in ("setattr", "delattr") and isinstance(key, ast.Constant) and isinstance(key.value, str) \
+                    and (problem := self.named_write_problem(node, key.value, node.args[0])):
+                return problem
             if isinstance(key, ast.Constant) and isinstance(key.value, str):
-                if isinstance(node.args[0], ast.Name) and node.args[0].id in self.own_classes \
-                        and key.value in self.own_methods:
+                if key.value in self.own_methods and self.a_class(node.args[0]):
                     return Outside(f"{where} takes the method `{key.value}` from the class {node.args[0].id}, where "
                                    "its first argument is whatever the call passes: call methods on your instances")
                 return self.attribute_problem(key.value, node)
@@ -685,6 +729,15 @@ class _Check:
                     return Outside(f"{where} makes a class with `{key.value}`, a hook Python calls on its own, "
                                    "which a hand-written FSDP does not need: write a plain method and call it")
             return None
+        # torch's or Python's classes handed to the file's own functions, where a computed-name setattr (the way a
+        # module's parameter is swapped) could then write over their methods.
+        if func in self.own_functions:
+            for arg in [*node.args, *(kw.value for kw in node.keywords)]:
+                if isinstance(self.resolve(arg), type) or isinstance(arg, ast.Name) and arg.id in self.foreign \
+                        or isinstance(arg, ast.Call) and self.foreign_value(arg):
+                    return Outside(f"{where} passes `{ast.unparse(arg)}`, torch's or Python's, to its own function "
+                                   f"{func}, which could change it: pass your own objects, and use torch's classes "
+                                   "in place (isinstance(x, torch.Tensor))")
         value = self.resolve(node.func)
         if isinstance(value, type) and issubclass(value, enum.Enum) and (
                 len(node.args) >= 2 or any(kw.arg == "names" for kw in node.keywords)):

@@ -25,7 +25,7 @@ from harness import assets, memory, memory_model, model_setup
 from harness.distributed import agree, current_device
 from harness.tools.grading import handwritten
 from harness.tools.grading.policy import config
-from harness.tools.traces.schedule import marked_waits
+from harness.tools.traces.schedule import marked_compute, marked_waits
 
 
 # --------------------------------------------------------------------------- parameter shards
@@ -218,18 +218,21 @@ class Run:
 # --------------------------------------------------------------------------- the jobs
 
 
-def train_job(cfg: train.Config, observe: bool = True) -> Run:
+def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) -> Run:
     """Train as train.py does; every shard checked (Shard(0), torch.chunk's rows) and digested after
     wrapping and after every step. observe: under a CommLog with Probes on every block (what the
     graded step checks); False for a profiled run, whose trace should show the program as it runs,
     without a Python hook on every op. A profiled run also marks where collectives were waited for,
-    for the overlap checks (schedule.marked_waits). Without FSDP (--fsdp none) there are no shards
+    for the overlap checks (schedule.marked_waits), and, given `mark`, the model's own compute
+    (schedule.marked_compute). Without FSDP (--fsdp none) there are no shards
     and nothing to free: only the numbers count."""
     log, digests, holder = CommLog(), [], {}
     sharded = cfg.fsdp != "none"
 
     def inspect(model: nn.Module, step: int) -> None:
         if step == 0:
+            if mark is not None:
+                marks.enter_context(marked_compute(model, mark))
             holder["fsdp2"] = fsdp2_problem(model, cfg)
             holder["probes"] = Probes(model, cfg.reshard_after_forward) if sharded and observe else None
         elif holder["probes"] is not None:
@@ -241,10 +244,10 @@ def train_job(cfg: train.Config, observe: bool = True) -> Run:
 
     try:
         with marked_waits() if cfg.profile_steps else contextlib.nullcontext(), \
-                log if observe else contextlib.nullcontext():
+                log if observe else contextlib.nullcontext(), contextlib.ExitStack() as marks:
             result = train.train(cfg, inspect=inspect)
     except BaseException as e:
-        e.add_note(f"(in step {log.step} of {cfg.num_steps}, rank {dist.get_rank()})" if log.step else
+        e.add_note(f"(in step {min(log.step, cfg.num_steps)} of {cfg.num_steps}, rank {dist.get_rank()})" if log.step else
                    "(while wrapping the model with fully_shard)")
         raise
     problems = holder["probes"].problems if holder.get("probes") else []

@@ -52,15 +52,17 @@ class RunStats:
         return len(could) - len(missed), len(could), missed
 
 
-def analyze_run(traces: str | Path, snapshots: str | Path | None = None, *, snapshots_optional: bool = False) -> RunStats:
+def analyze_run(traces: str | Path, snapshots: str | Path | None = None, *, snapshots_optional: bool = False,
+                mark: str | None = None) -> RunStats:
     """rank{r}.json in `traces` and, when given, rank{r}.pickle in `snapshots` (each read once).
     A trace profiled without allocation events (train.py --no-profile-memory) has no snapshot of its
-    own: one found beside it is an older run's, refused (or, with snapshots_optional, not read)."""
+    own: one found beside it is an older run's, refused (or, with snapshots_optional, not read). mark: the
+    name of the ranges a graded run put around the model's compute (schedule.marked_compute)."""
     steps, memories, scheduled = [], [], []
     for path in rank_files(traces, ".json"):
         t = Trace(path)
         steps += analyze_trace(t)
-        scheduled += schedule(t)
+        scheduled += schedule(t, mark)
         if snapshots is None:
             continue
         snapshot = Path(snapshots) / f"{path.stem}.pickle"

@@ -54,7 +54,7 @@ class Scheduled:
 BLOCKING_WAIT, DONE_WAIT = "Work.wait (blocking)", "Work.wait (done)"
 POLLED_DONE, OTHER_WAIT = "Work.is_completed (polled until true)", "Work.wait (other)"
 """a Work that `is_completed()` found running, then finished (a loop that polls it waits as much as
-`wait()`), and the other ways to wait for one (get_future, synchronize, result): each marked where it
+`wait()`), and the other ways to wait for one (get_future, synchronize, result, a barrier): each marked where it
 happened, so that no way of waiting goes unseen. Unlike `wait()`, which an FSDP may call for another
 group's collective in the hook that issued this one, an FSDP never needs either for its own: found in
 the hook that issued a collective, after the issue, they are a wait at once."""
@@ -97,22 +97,89 @@ def marked_waits():
                 return plain[name](self, *args, **kwargs)
         return waits
 
+    c10d = torch.distributed.distributed_c10d
+    plain_barrier = c10d.barrier
+
+    def barrier(*args, **kwargs):  # every rank waits for every other: a wait for whatever is in flight
+        with torch.profiler.record_function(OTHER_WAIT):
+            return plain_barrier(*args, **kwargs)
+
     work.wait, work.is_completed = wait, is_completed
     for name in ("get_future", "synchronize", "result"):
         setattr(work, name, other(name))
+    torch.distributed.barrier = c10d.barrier = barrier
     try:
         yield
     finally:
         for name, method in plain.items():
             setattr(work, name, method)
+        torch.distributed.barrier = c10d.barrier = plain_barrier
 
 
-def schedule(trace: Trace | str | Path | dict) -> list[Scheduled]:
+# [Note: what counts as compute]
+# Between a collective's issue and its wait, "compute" must be the model's, never a token op a program
+# runs for show (`torch.zeros(1).add_(1)` between the two proves nothing). Unmarked traces (a student's
+# own, analysed by harness/tools/traces/analysis.py) count every aten op outside FSDP's ranges. A graded
+# run marks what only the model computes and the program cannot imitate:
+# - forward: the bodies of the model's leaf modules (nn.Linear, nn.Embedding, the norms), each run inside
+#   a range whose name holds a secret the grader drew (`marked_compute`): nothing of an FSDP runs inside a
+#   leaf's forward, and a program cannot name a range it does not know;
+# - backward: the autograd engine's own nodes, the `cpu_op` ranges named `<Op>Backward<N>` (an
+#   autograd.Function's node is named `<Class>Backward`, a hook runs outside its node's range, and a
+#   `record_function` range is a `user_annotation`, whatever its name).
+MODEL_BACKWARD = re.compile(r"^\w+Backward\d+$")
+
+
+@contextlib.contextmanager
+def marked_compute(model: torch.nn.Module, mark: str):
+    """Every forward of one of `model`'s leaf modules runs inside a range named `mark` (see
+    [Note: what counts as compute]): the forward of each leaf class that torch or torchtitan defines,
+    for instances of exactly that class (a subclass may add code around it). Put back however it ends."""
+    import torchtitan
+
+    homes = tuple(str(Path(m.__file__).parent) + "/" for m in (torch, torchtitan))
+    plain = {}
+    for cls in {type(m) for m in model.modules() if next(m.children(), None) is None}:
+        forward = cls.__dict__.get("forward")
+        if getattr(getattr(forward, "__code__", None), "co_filename", "").startswith(homes):
+            plain[cls] = forward
+
+    def marked(cls, forward):
+        def run(self, *args, **kwargs):
+            if type(self) is not cls:
+                return forward(self, *args, **kwargs)
+            with torch.profiler.record_function(mark):
+                return forward(self, *args, **kwargs)
+        return run
+
+    for cls, forward in plain.items():
+        cls.forward = marked(cls, forward)
+    try:
+        yield
+    finally:
+        for cls, forward in plain.items():
+            cls.forward = forward
+
+
+def compute_ops(on: list[dict], fsdp: list, c10d: list, mark: str | None) -> list[float]:
+    """The start of every op on one thread that counts as compute (see [Note: what counts as compute])."""
+    ops = [e for e in on if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
+           and not inside(e["ts"], fsdp) and not inside(e["ts"], c10d)]
+    if mark is not None:
+        model = union((e["ts"], e["ts"] + e["dur"]) for e in on if
+                      e.get("cat") == "user_annotation" and e["name"] == mark
+                      or e.get("cat") == "cpu_op" and MODEL_BACKWARD.match(e["name"]))
+        ops = [e for e in ops if inside(e["ts"], model)]
+    return sorted(e["ts"] for e in ops)
+
+
+def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[Scheduled]:
     """Every collective issued inside an FSDP group's range, with whether compute ran between its
     issue and its wait. Compute: aten ops on the issuing thread outside every `FSDP::` range and
     c10d op, i.e. what modules compute (another group's: this group's parameters are not gathered
-    yet, or its gradients already reduced). Only order counts, not durations: for a given program
-    the verdict does not depend on how threads were scheduled."""
+    yet, or its gradients already reduced); with `mark`, the model's compute only (see [Note: what
+    counts as compute]). Only order counts, not durations: for a given program the verdict does not
+    depend on how threads were scheduled."""
     t = trace if isinstance(trace, Trace) else Trace(trace)
     out = []
     for thread in {(op["pid"], op["tid"]) for op in t.ops}:
@@ -120,8 +187,7 @@ def schedule(trace: Trace | str | Path | dict) -> list[Scheduled]:
         fsdp = union((e["ts"], e["ts"] + e["dur"]) for e in on
                      if e.get("cat") == "user_annotation" and e["name"].startswith("FSDP::"))
         c10d = union((e["ts"], e["ts"] + e["dur"]) for e in on if e["name"].startswith(("c10d::", "_c10d_functional::")))
-        compute = sorted(e["ts"] for e in on if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
-                         and not inside(e["ts"], fsdp) and not inside(e["ts"], c10d))
+        compute = compute_ops(on, fsdp, c10d, mark)
         waits: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)  # (kind, group) -> (ts, what)
         for e in on:
             if e.get("cat") == "user_annotation" and (m := WAIT_RANGE.match(e["name"])):
