@@ -1,4 +1,4 @@
-"""Shared pytest set-up: which hand-written FSDP is under test, the spawned rank pools, and the
+"""Shared pytest set-up: which file effdl (the FSDP under test) imports, the spawned rank pools, and the
 handout's points table at the end of every run of test.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption(
         "--impl", default="student",
-        help="hand-written FSDP under test: student (fsdp.py, the default) or the path of a .py file",
+        help="the FSDP under test (effdl): student (fsdp.py, the default) or the path of a .py file",
     )
     parser.addoption("--points-json", default=None, metavar="FILE",
                      help="also write the points table of test.py as JSON to FILE")
@@ -82,7 +82,7 @@ def pytest_report_header(config):
         path = impl.impl_path(config.getoption("--impl"))
     except ConfigError as e:
         raise pytest.UsageError(str(e)) from None
-    return f"hand-written FSDP under test: {path}"
+    return f"effdl (the FSDP under test): {path}"
 
 
 def pytest_sessionstart(session):
@@ -98,7 +98,7 @@ def pytest_sessionstart(session):
     pictures.clear_artifacts(folder)
 
     def seen(case, runs):
-        effdl = runs.get("hand-written")
+        effdl = runs.get("effdl")
         try:
             pictures.record_memory(folder, case, [m.peaks for m in runs["FSDP2"]], effdl and [m.peaks for m in effdl],
                                    checks.allowance(runs["FSDP2"][0]))
@@ -118,7 +118,7 @@ def pytest_sessionfinish(session):
     from harness.tools.traces import pictures
 
     checks.memory_seen = None
-    # Why the hand-written FSDP's profiled run left no trace, if tasks 2 and 3 failed in their fixture.
+    # Why effdl's profiled run left no trace, if tasks 2 and 3 failed in their fixture.
     pictures.draw_artifacts(Path(folder), config.getoption("--impl"),
                             pictures.failure_reason(getattr(config, "_profiles_failed", "")))
 

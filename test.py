@@ -1,4 +1,4 @@
-"""What graders run: the hand-written FSDP against PyTorch's FSDP2, on spawned CPU/gloo ranks.
+"""What graders run: effdl (the FSDP under test, fsdp.py) against PyTorch's FSDP2, on spawned CPU/gloo ranks.
 
     uv run pytest test.py                            # everything, ending with the points table
     uv run pytest test.py::test_fsdp                 # the handout's test: task 1's full step
@@ -21,7 +21,7 @@ PRECISIONS = [pytest.param(p, r, id=f"{p}-{r}") for p, r in policy.PRECISIONS]
 
 @pytest.fixture(scope="session", autouse=True)
 def hand_written_source(impl):
-    """The file's source is a hand-written FSDP's (handwritten.static_problem), checked once before
+    """The file's source is hand-written (handwritten.static_problem), checked once before
     anything else: a session fixture comes before the rank pools, so a refused file spawns no rank."""
     from harness.impl import impl_path
 
@@ -68,7 +68,7 @@ def test_fsdp(impl, world, param_dtype, reduce_dtype, request, evidence):
 
 @pytest.fixture(scope="module")
 def profiles(pool2, impl, artifacts, tmp_path_factory):
-    """One profiled run each of FSDP2 and the hand-written FSDP, shared by tasks 2 and 3 (kept in
+    """One profiled run each of FSDP2 and effdl (the FSDP under test, fsdp.py), shared by tasks 2 and 3 (kept in
     DIR/profiles with --artifacts DIR). A module fixture is set up before the autouse check above, so
     it makes that check itself: no file is run before its source was read."""
     checks.check_not_fsdp2(pool2, impl)

@@ -1,4 +1,4 @@
-"""Train a torchtitan Llama under PyTorch's FSDP2, the hand-written FSDP, or no sharding.
+"""Train a torchtitan Llama under PyTorch's FSDP2, effdl (the hand-written FSDP in fsdp.py), or no sharding.
 
     uv run torchrun --nproc-per-node 2 train.py --fsdp fsdp2
     uv run torchrun --nproc-per-node 2 train.py --fsdp effdl     # your fsdp.py
@@ -41,10 +41,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
 @dataclass(frozen=True)
 class Config:
     fsdp: Literal["fsdp2", "effdl", "none"] = "fsdp2"
-    """fsdp2: torch.distributed.fsdp.fully_shard; effdl: the hand-written FSDP; none: no sharding
+    """fsdp2: torch.distributed.fsdp.fully_shard; effdl: the FSDP in fsdp.py (or --impl); none: no sharding
     (each rank holds the whole model, gradients averaged with DistributedDataParallel)."""
     impl: str = "student"
-    """which hand-written FSDP --fsdp effdl imports: student (fsdp.py) or the path of any .py file
+    """which file --fsdp effdl imports: student (fsdp.py) or the path of any .py file
     with fully_shard and MixedPrecisionPolicy (e.g. a submission)."""
     model: Literal["debug", "1b"] = "debug"
     """debug: torchtitan's debugmodel (dim 256, 6 layers); 1b: a Llama 3.2 1B-sized model."""

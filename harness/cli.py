@@ -1,7 +1,7 @@
 """The command line of every `python -m` tool, parsed as train.py parses its own: a frozen
 dataclass of flags with docstring help, read by tyro.
 
-Flags several tools share keep one name and meaning everywhere: `--impl` (the hand-written FSDP
+Flags several tools share keep one name and meaning everywhere: `--impl` (the file effdl imports
 under test: student, i.e. fsdp.py, or the path of a .py file), `--out` (the file or folder
 written), `--device {auto,cpu,cuda}` (auto: CUDA when there is a GPU per rank, as train.py),
 `--world-size` (ranks). Errors end through harness.errors.stop.

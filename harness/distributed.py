@@ -52,14 +52,14 @@ def pool_device(flag: str, world_size: int) -> str:
 
 def deterministic_cuda() -> None:
     """The settings torchtitan's `--debug.deterministic` makes (torchtitan/distributed/utils.py),
-    so that a CUDA run repeats bit for bit and FSDP2 and a hand-written FSDP, running the same
+    so that a CUDA run repeats bit for bit and FSDP2 and effdl, running the same
     kernels, agree bit for bit. CUBLAS_WORKSPACE_CONFIG must be set before cuBLAS starts.
 
     Attention: torchtitan's SDPA wrapper prefers the cuDNN and flash backends, whose backward
     may accumulate in a varying order (flash only honours the deterministic flag in its C++
     source, which no Python test here can check); the math backend is built from matmuls and
     softmax, which the settings above make deterministic. So on CUDA attention runs the math
-    backend, in FSDP2's runs and the hand-written ones alike (slower, same numbers each run)."""
+    backend, in FSDP2's runs and effdl's alike (slower, same numbers each run)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True

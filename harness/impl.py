@@ -1,4 +1,4 @@
-"""The FSDP under test: `student` (fsdp.py) or the path of any file that defines
+"""The file effdl (the FSDP under test) imports: `student` (fsdp.py) or the path of any file that defines
 `fully_shard` and `MixedPrecisionPolicy` (a submission, a reference, a variant)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def impl_path(impl: str) -> Path:
             path = ROOT / path  # relative to the repository, wherever the command runs
     if not path.exists():
         fix = "restore it with `git checkout fsdp.py`" if impl == "student" else "check the path"
-        raise ConfigError(f"--impl {impl}: the hand-written FSDP is not there ({path} is missing); {fix}")
+        raise ConfigError(f"--impl {impl}: effdl's file is not there ({path} is missing); {fix}")
     return path.resolve()
 
 
@@ -57,7 +57,7 @@ def refuse_files(reason: str) -> None:
 
 
 def load(impl: str) -> ModuleType:
-    """Import the hand-written FSDP (once per file) and check it has what train.py calls."""
+    """Import effdl (once per file) and check it has what train.py calls."""
     if _REFUSED:
         raise RuntimeError(f"--impl {impl}: {_REFUSED}")
     path = impl_path(impl)
@@ -101,10 +101,10 @@ def todo_reached(error: BaseException) -> str | None:
 
 
 class FeatureError(RuntimeError):
-    """The hand-written FSDP crashed in a way that means it lacks a training feature."""
+    """effdl crashed in a way that means it lacks a training feature."""
 
 
-COMPILE_FIX = ("--compile: torch.compile traced the hand-written FSDP's code into a compiled graph ({where}). A "
+COMPILE_FIX = ("--compile: torch.compile traced effdl's code into a compiled graph ({where}). A "
                "block compiled in place runs its forward hooks inside the compiled call, but FSDP's collectives, "
                "storage resizes and state changes must run for real on every call: keep the hooks out of the "
                "graph by decorating pre_forward, post_forward, pre_backward, post_backward and final_callback "
@@ -112,7 +112,7 @@ COMPILE_FIX = ("--compile: torch.compile traced the hand-written FSDP's code int
 
 
 def compile_backend(fsdp: str, impl: str):
-    """train.py --compile's torch.compile backend: inductor; for the hand-written FSDP, inductor
+    """train.py --compile's torch.compile backend: inductor; for effdl, inductor
     behind a check that no graph holds code of its file (its hooks must stay out of the graphs)."""
     if fsdp != "effdl":
         return "inductor"
@@ -172,7 +172,7 @@ def explain_errors(fn, *args):
 
 
 def turn_off_prefetch(model, name: str) -> None:
-    """`train.py --no-prefetch`: the hand-written FSDP gathers each group only when it runs."""
+    """`train.py --no-prefetch`: effdl gathers each group only when it runs."""
     if not hasattr(model, "set_prefetch"):
         raise ConfigError(f"--no-prefetch: {impl_path(name)} has no FSDPModule.set_prefetch; "
                           "copy it (and FSDPGroup.prefetch, which the prefetches call) from the current fsdp.py")

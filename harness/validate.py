@@ -37,10 +37,10 @@ def validate(cfg) -> None:
         if bad := [flag for flag, used in fsdp_only.items() if used]:
             raise ConfigError(f"{', '.join(bad)} configure FSDP; they do nothing with --fsdp none (use --fsdp fsdp2 or effdl)")
     if not cfg.prefetch and cfg.fsdp != "effdl":
-        raise ConfigError(f"--no-prefetch switches the hand-written FSDP's prefetch off; it needs --fsdp effdl "
+        raise ConfigError(f"--no-prefetch switches effdl's prefetch off; it needs --fsdp effdl "
                           f"(FSDP2 on CPU prefetches nothing anyway; got --fsdp {cfg.fsdp})")
     if cfg.impl != "student" and cfg.fsdp != "effdl":
-        raise ConfigError(f"--impl {cfg.impl} selects the hand-written FSDP, so it needs --fsdp effdl")
+        raise ConfigError(f"--impl {cfg.impl} selects the file effdl imports, so it needs --fsdp effdl")
     impl.impl_path(cfg.impl)  # fails early on a bad --impl
     if cfg.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every must be >= 0 (0: save after the last step only), got {cfg.checkpoint_every}")

@@ -34,7 +34,7 @@ FSDP2_MAX_HIDDEN = 0.02
 
 
 def profiled_run(pool, folder: Path, impl: str | None = None) -> analysis.RunStats:
-    """Three steps (the last two profiled) of FSDP2, or of the hand-written FSDP `impl`, analysed."""
+    """Three steps (the last two profiled) of FSDP2, or of effdl (the file `impl`), analysed."""
     cfg = policy.config(impl, num_steps=3, profile_steps=2, traces_dir=folder / "traces",
                         snapshots_dir=folder / "snapshots")
     pool.run(train.train, cfg)
@@ -341,23 +341,31 @@ def test_marked_waits_puts_work_wait_back():
     names = ("wait", "is_completed", "get_future", "synchronize", "result")
     plain = {name: getattr(dist.Work, name) for name in names}
     barrier = dist.barrier
+    issuing = {name: getattr(dist.ProcessGroup, name) for name in schedule._ISSUING}
     with pytest.raises(RuntimeError, match="training failed"), schedule.marked_waits():
         assert all(getattr(dist.Work, name) is not plain[name] for name in names) and dist.barrier is not barrier
+        assert all(getattr(dist.ProcessGroup, name) is not issuing[name] for name in issuing)
         raise RuntimeError("training failed")
     assert {name: getattr(dist.Work, name) for name in names} == plain and dist.barrier is barrier
+    assert {name: getattr(dist.ProcessGroup, name) for name in issuing} == issuing
 
 
 def test_marked_compute_counts_only_the_models(tmp_path):
-    """With a mark, compute is the model's: its leaf modules' forwards (inside the secret-named range) and
-    autograd's own backward nodes; a token op, one in a range named like a backward node, or one in a range
-    under another name is not. The leaf classes' forwards are put back however the run ends."""
+    """With a mark, compute is the model's: its own leaf modules' forwards (inside the secret-named range) and
+    autograd's own backward nodes; a token op, one in a range named like a backward node, one in a range
+    under another name, a leaf the program made, or one whose parameters sit behind its code is not. The leaf classes' forwards are put back however the run ends."""
     import torch
     import torch.nn as nn
 
     class Sub(nn.Linear):  # a subclass may add code around the forward: never marked
         pass
 
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Sub(8, 8))
+    class Table(dict):  # a leaf's parameters behind code of the program's: its forward would run that code
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Sub(8, 8), nn.Linear(8, 8))
+    model[3]._parameters = Table(model[3]._parameters)
+    private = nn.Linear(8, 8)  # a leaf the program made for itself, not the model's
     plain = nn.Linear.forward
     mark = "## model compute 1234 ##"
 
@@ -370,6 +378,7 @@ def test_marked_compute_counts_only_the_models(tmp_path):
             assert nn.Linear.forward is not plain
             model(torch.randn(4, 8)).sum().backward()
             torch.zeros(1).add_(1)
+            private(torch.randn(4, 8))
             token("MmBackward0")
             token("## model compute 9999 ##")
             raise RuntimeError("stopped")
@@ -378,7 +387,7 @@ def test_marked_compute_counts_only_the_models(tmp_path):
     on = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("ph") == "X"]
     by_ts = {e["ts"]: e["name"] for e in on if e.get("cat") == "cpu_op"}
     counted = [by_ts[t] for t in schedule.compute_ops(on, [], [], mark)]
-    assert len([e for e in on if e["name"] == mark]) == 2  # nn.Linear's and nn.ReLU's, not Sub's
+    assert len([e for e in on if e["name"] == mark]) == 2  # model[0]'s and the ReLU's: not Sub's, Table's, private's
     assert "aten::addmm" in counted and "aten::mm" in counted  # forward in the leaf, backward in AddmmBackward0
     assert "aten::add_" not in counted and "aten::zeros" not in counted, counted
     unmarked = [by_ts[t] for t in schedule.compute_ops(on, [], [], None)]

@@ -17,7 +17,7 @@ def test_benchmark_prints_ratios_and_hidden_shares(impl, capsys):
     runs = re.findall(r"seq 64 (fsdp2|effdl): \d+ ms/step", out)
     assert runs[:4] == ["fsdp2", "effdl", "effdl", "fsdp2"], out
     row = next(line for line in out.splitlines() if line.strip().startswith("64 |"))
-    # step times and ratio, peaks and ratio, hidden shares of FSDP2 and hand-written
+    # step times and ratio, peaks and ratio, hidden shares of FSDP2 and effdl
     assert re.search(r"\d+ ms +\d+ ms +\d+\.\d\d \|", row), row
     assert re.search(r"MiB +[\d.]+ MiB +\d\.\d{3} \|", row), row
     assert row.count("%") == 4, row

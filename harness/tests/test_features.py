@@ -1,8 +1,8 @@
-"""Training features, for FSDP2 and the hand-written FSDP alike: activation checkpointing,
+"""Training features, for FSDP2 and effdl alike: activation checkpointing,
 meta-device initialisation, distributed checkpoints (save, resume, refusals), world size 1,
 tied weights, and the memory-fit refusal. Numbers are compared bit for bit against FSDP2.
 
-The hand-written FSDP is the one under test (`--impl`).
+effdl is the FSDP under test (the file `--impl` names).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def pool1():
 
 @pytest.fixture(autouse=True)
 def _needs_a_working_fsdp(request):
-    """Tests of the hand-written FSDP against FSDP2 need one that trains: not the skeleton's TODOs."""
+    """Tests of effdl against FSDP2 need one that trains: not the skeleton's TODOs."""
     if "impl" in request.fixturenames:
         skip_unfinished(request.getfixturevalue("impl"))
 
@@ -264,7 +264,7 @@ def _resume(pool, saver: train.Config, resumer: train.Config, directory: Path):
     return whole, resumed
 
 
-# Across implementations both ways: the hand-written FSDP's checkpoints are FSDP2's format, saved and loaded.
+# Across implementations both ways: effdl's checkpoints are FSDP2's format, saved and loaded.
 @pytest.mark.parametrize("saved_by,resumed_by", [("fsdp2", "effdl"), ("effdl", "fsdp2")])
 def test_resume_is_bit_identical(pool2, impl, tmp_path, saved_by, resumed_by):
     pick = lambda which: short(impl) if which == "effdl" else policy.as_fsdp2(short(impl))

@@ -238,8 +238,8 @@ def same_runs(a, b) -> None:
     for x, y in zip(a, b, strict=True):
         if x.result is not None:
             assert (x.result.losses, x.result.grad_norms) == (y.result.losses, y.result.grad_norms)
-        assert (x.digests, x.problems, x.comm.events, x.fsdp2, x.forward_loss) == \
-            (y.digests, y.problems, y.comm.events, y.fsdp2, y.forward_loss)
+        assert (x.digests, x.problems, x.comm.events, x.uses_fsdp2, x.forward_loss) == \
+            (y.digests, y.problems, y.comm.events, y.uses_fsdp2, y.forward_loss)
 
 
 def test_train_and_forward_equal_fresh_runs(pool2, monkeypatch, computed):

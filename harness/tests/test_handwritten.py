@@ -256,6 +256,12 @@ OUTSIDE = {
                                     "put(torch.profiler.profile, 'x', 1)\n", 4, "to its own function put"),
     "boxed_work": ("def f(work):\n    work.boxed().wait()\n", 2, "its work handle's wait()"),
     "device_module": ("import torch\nm = torch.get_device_module('cpu')\n", 2, "use it by name"),
+    "own_backward": ("import torch\ndef f(x):\n    torch.autograd.grad(x.sum(), x)\n", 3, "runs a backward of its own"),
+    "tensor_backward": ("def f(x):\n    x.sum().backward()\n", 2, "runs a backward of its own"),
+    "own_profiler": ("import torch\nwith torch.profiler.profile() as p:\n    pass\n", 2, "never runs a profiler"),
+    "saved_tensor_of_a_node": ("def f(y):\n    return y.grad_fn._raw_saved_self\n", 2, "a backward node's saved tensor"),
+    "sleep": ("import time\ntime.sleep(1)\n", 2, "its work handle's wait()"),
+    "functional_vjp": ("import torch\nv = torch.autograd.functional.vjp\n", 2, "never differentiates"),
     "saved_tensor_hooks": ("import torch\ndef f(x):\n    with torch.autograd.graph.saved_tensors_hooks(id, id):\n"
                            "        return x * 2\n", 3, "never needs saved-tensor hooks"),
     # Storage the memory check cannot see: a Python buffer's.

@@ -230,3 +230,19 @@ def test_an_old_command_says_where_it_went():
                           text=True, timeout=120)
     assert proc.returncode != 0 and "harness.tools.grade moved to harness.tools.submissions.grade: run " \
         "`python -m harness.tools.submissions.grade`" in proc.stderr, proc.stderr
+
+
+def test_one_name_for_the_fsdp_under_test():
+    """The FSDP under test is `effdl`, the handout's name (`--fsdp effdl`, traces/effdl), in every message,
+    label and page; `--impl` names the file it imports (`student`: fsdp.py); "hand-written" names only the
+    rule that it must be (harness/tools/grading/handwritten.py)."""
+    import re
+
+    rule = re.compile(r"(is|be|must be) hand-written|hand-written rule|beyond a hand-written FSDP"
+                      r"|effdl \(the hand-written FSDP")
+    files = [*ROOT.glob("*.py"), *ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md"), *(ROOT / "harness").rglob("*.py"),
+             *(ROOT / "solution").rglob("*.py")]
+    stray = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in files
+             if f.name not in ("handwritten.py", "test_handwritten.py", "test_layout.py")
+             for i, line in enumerate(f.read_text().splitlines(), 1) if "hand-written" in rule.sub("", line)]
+    assert not stray, "call the FSDP under test effdl:\n" + "\n".join(stray)

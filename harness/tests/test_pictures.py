@@ -71,7 +71,7 @@ def test_overlap_picture_of_fsdp2(fsdp2_traces, tmp_path):
     width, height = png_size(out)
     assert width >= 1000 and height >= 600 and out.stat().st_size > 30_000, (width, height)
     assert_drawn(drawing, (False, False))  # FSDP2 on CPU waits for each all-gather at once
-    assert [p.title for p in drawing.panels] == ["FSDP2: rank 0, step 2", "hand-written FSDP: rank 0, step 2"]
+    assert [p.title for p in drawing.panels] == ["FSDP2: rank 0, step 2", "effdl: rank 0, step 2"]
     # The same trace twice: the same bars, so a difference between the panels is the runs' own.
     assert drawing.panels[0].bars == drawing.panels[1].bars
 
@@ -103,7 +103,7 @@ def test_memory_plot_draws_peaks_and_the_allowance(tmp_path):
     out = tmp_path / "memory.png"
     drawn = pictures.memory_png(cases, out)
     assert png_size(out)[0] >= 800 and out.stat().st_size > 20_000
-    # The check's rule: the hand-written FSDP's least peak of steps 2.. against FSDP2's plus the margin.
+    # The check's rule: effdl's least peak of steps 2.. against FSDP2's plus the margin.
     assert drawn["case a"]["allowed"] == [85.0, 86.0]
     assert drawn["case a"]["effdl"][1] == [51.0, 84.0, 85.0]
     assert drawn["case b"] == {"fsdp2": [[40.0, 60.0]], "effdl": None, "allowed": [62.0]}
@@ -127,7 +127,7 @@ def test_pytest_artifacts_with_the_skeleton(tmp_path):
                            "--artifacts", str(folder)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and "task 2           0 / 2" in proc.stdout, proc.stdout[-3000:]
     said = (folder / "pictures.txt").read_text()
-    assert "overlap.png: drawn; hand-written FSDP: no trace: " in said and "TODO(task1)" in said, said
+    assert "overlap.png: drawn; effdl: no trace: " in said and "TODO(task1)" in said, said
     assert "memory.png: not drawn" in said, said
     assert png_size(folder / "overlap.png")[0] >= 1000
     assert (folder / "profiles" / "fsdp2" / "traces" / "rank0.json").is_file()

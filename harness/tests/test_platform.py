@@ -304,7 +304,7 @@ def ranks_platform() -> tuple:
 
 
 def skip_unfinished(impl: str) -> None:
-    """Checks against FSDP2 need a hand-written FSDP that trains: not the skeleton's task 1 TODOs."""
+    """Checks against FSDP2 need an effdl that trains: not the skeleton's task 1 TODOs."""
     from harness.impl import impl_path, task1_undone
 
     path = impl_path(impl)

@@ -242,7 +242,7 @@ def test_quick_report_end_to_end(impl, tmp_path):
             assert row["parts"][key] == row["model"][key], (row["world"], row["run"], key)
         assert row["rank_sums"]["params_numel"] == data["n_params"]
         assert row["parts"]["gathered params"] > 0 and row["parts"]["activations"] > 0
-    # The activations FSDP2 and the hand-written FSDP save are the same tensors.
+    # The activations FSDP2 and effdl save are the same tensors.
     act = {(r["world"], r["run"]): r["parts"]["activations"] for r in data["memory"]}
     assert len(set(act.values())) == 1, act
     for row in data["hsdp_volume"]:

@@ -25,7 +25,7 @@ RUN = wire.result_type(run_job)
 
 def a_run(**changes) -> jobs.Run:
     fields = dict(result=train.TrainResult([4.09, 3.5], [0.8, 0.7], [], [12]), digests=[{"w": "ab12"}], problems=[],
-                  comm=jobs.Comm([(1, "forward", "all_gather", "bfloat16", 4096)], None), fsdp2=None,
+                  comm=jobs.Comm([(1, "forward", "all_gather", "bfloat16", 4096)], None), uses_fsdp2=None,
                   forward_loss=-0.0)
     return jobs.Run(**{**fields, **changes})
 
@@ -67,7 +67,7 @@ def encoded_run() -> dict:
     (lambda v: v.pop("digests"), r"missing fields \['digests'\]"),
     (lambda v: v["result"].__setitem__("losses", {"tensor": "t0"}), r"result\.result\.losses is dict, not a list"),
     (lambda v: v["problems"].append("x" * (wire.MAX_STRING + 1)), r"result\.problems\[0\] is \d+ characters long"),
-    (lambda v: v.__setitem__("fsdp2", 0), r"result\.fsdp2 is int, not text"),
+    (lambda v: v.__setitem__("uses_fsdp2", 0), r"result\.uses_fsdp2 is int, not text"),
     (lambda v: v["comm"]["events"][0].pop(), r"result\.comm\.events\[0\] has 4 items, not 5"),
 ])
 def test_a_malformed_run_is_refused(change, refusal):

@@ -1,5 +1,5 @@
-"""Conformance: models this project did not write, trained under FSDP2 and under a hand-written
-FSDP, which must agree bit for bit.
+"""Conformance: models this project did not write, trained under FSDP2 and under effdl (the FSDP under
+test), which must agree bit for bit.
 
 Each model is tiny (hundreds to a few thousand parameters) and stresses one thing the debug
 Llama of test.py does not: torch's own `nn.TransformerEncoderLayer`, frozen parameters, a
@@ -145,7 +145,7 @@ class Run:
 
 def wrap(model: str, impl: str | None, param_dtype: str, reduce_dtype: str):
     """(the FSDP module, MODELS[model] wrapped by it): every group of `groups()`, then the root,
-    under FSDP2 (impl None) or the hand-written FSDP at `impl` (a path)."""
+    under FSDP2 (impl None) or effdl at `impl` (a path)."""
     fsdp = train.fsdp_module(train.Config(fsdp="fsdp2") if impl is None else train.Config(fsdp="effdl", impl=impl))
     torch.manual_seed(0)
     net = MODELS[model]()
@@ -158,7 +158,7 @@ def wrap(model: str, impl: str | None, param_dtype: str, reduce_dtype: str):
 
 
 def train_job(model: str, impl: str | None, param_dtype: str, reduce_dtype: str, steps: int = 4) -> Run:
-    """Train MODELS[model] under FSDP2 (impl None) or the hand-written FSDP at `impl` (a path):
+    """Train MODELS[model] under FSDP2 (impl None) or effdl at `impl` (a path):
     AdamW with clipping, a few steps of random tokens."""
     _, net = wrap(model, impl, param_dtype, reduce_dtype)
     rank = dist.get_rank()

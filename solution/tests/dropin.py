@@ -1,7 +1,7 @@
 """The drop-in contract: FSDP2's public behaviour one step outside training a model wrapped once.
 
 Each `case_*` function runs on every rank of a RankPool with one implementation (`impl` None:
-FSDP2's `torch.distributed.fsdp`; a path: the hand-written FSDP there) and returns a record of
+FSDP2's `torch.distributed.fsdp`; a path: effdl, the FSDP there) and returns a record of
 what a user can observe: losses, gradient norms, every local shard after every step, the
 collectives FSDP issued (kind, dtype, elements), exceptions (type and message). The test runs the
 same case under both and requires the records equal, bit for bit (`same`).
@@ -389,7 +389,7 @@ def case_list_of_modules(impl, dtype):
 
 
 def case_refused(impl):
-    """What the hand-written FSDP refuses by design, and FSDP2's outcome for the same call."""
+    """What effdl refuses by design, and FSDP2's outcome for the same call."""
     f = fsdp(impl)
     ws = dist.get_world_size()
     out = {}

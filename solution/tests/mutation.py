@@ -97,6 +97,20 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "        if self.ctx.pending_reduce is not None:\n"
         "            self.ctx.pending_reduce, pending = None, self.ctx.pending_reduce\n"
         "            pending.finish()\n")],
+    # Waits for the all-gather's Work right after the issue, outside every range FSDP's schedule reads: the
+    # later all_gather_copy_out range then finds it done (schedule's ISSUED/WAITED tags see the first wait).
+    "wait-work-at-once": [(
+        "            # endregion\n        self.state = ShardedState.GATHERING\n\n    def wait_for_unshard",
+        "            # endregion\n        self.state = ShardedState.GATHERING\n"
+        "        self.pending_gather.work.wait()\n\n    def wait_for_unshard")],
+    # Runs one of the model's own modules itself (the root's final norm, on a dummy input): its forward is
+    # the model's compute by kind, but not the model's run, so the overlap check compares the count with FSDP2's.
+    "extra-model-call": [(
+        "            self.group.wait_for_unshard()\n            # region task2: forward prefetch\n",
+        "            self.group.wait_for_unshard()\n            if self.is_root:\n"
+        "                norm = self.module.norm\n"
+        "                norm(torch.ones(norm.weight.shape, dtype=norm.weight.dtype, device=norm.weight.device))\n"
+        "            # region task2: forward prefetch\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
@@ -255,7 +269,7 @@ _dispatch = jobs.CommLog.__torch_dispatch__
 
 def _quiet(self, *args, **kwargs):
     out = _dispatch(self, *args, **kwargs)
-    self.fsdp2 = None
+    self.uses_fsdp2 = None
     return out
 
 

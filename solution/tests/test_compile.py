@@ -55,7 +55,7 @@ def test_file_without_compile_support_stops_with_one_line(pool2, tmp_path):
     lines = str(failure.value).strip().splitlines()
     last = next((line for line in reversed(lines) if line.startswith("harness.impl.FeatureError: ")), None)
     assert last is not None, str(failure.value)[-3000:]
-    for fragment in ("--compile", "hand-written FSDP", "@torch.compiler.disable", *COMPILED_HOOKS):
+    for fragment in ("--compile", "effdl's code", "@torch.compiler.disable", *COMPILED_HOOKS):
         assert fragment in last, f"the error does not name {fragment!r}: {last}"
 
 

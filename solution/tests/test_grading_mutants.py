@@ -65,9 +65,9 @@ def test_given_lookup_is_the_references():
 def test_runtime_check_sees_fsdp2(pool2, mutant):
     """Without the source check, the run itself gives FSDP2 away (exported objects, classes, ops)."""
     runs = checks.run(pool2, jobs.forward_job, policy.config(mutant("reexport")))
-    assert all(r.fsdp2 for r in runs), [r.fsdp2 for r in runs]
+    assert all(r.uses_fsdp2 for r in runs), [r.uses_fsdp2 for r in runs]
     clean = checks.run(pool2, jobs.forward_job, policy.config(str(SOLUTION)))
-    assert not any(r.fsdp2 for r in clean)
+    assert not any(r.uses_fsdp2 for r in clean)
 
 
 def test_no_reshard_after_forward_loses_forward(pool2, mutant):
@@ -93,7 +93,7 @@ def test_shard_difference_is_measured(pool2, mutant):
 
 
 def test_cast_after_gather_fails_communication(pool2, mutant):
-    with pytest.raises(AssertionError, match=r"hand-written FSDP sent .*float32.*FSDP2 sent .*bfloat16"):
+    with pytest.raises(AssertionError, match=r"effdl sent .*float32.*FSDP2 sent .*bfloat16"):
         checks.check_forward(pool2, mutant("cast-after-gather"), "bfloat16", "float32")
 
 

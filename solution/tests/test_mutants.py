@@ -130,6 +130,7 @@ def test_overlap_check_fails_without_the_task(pool2, tmp_path, strip, fails, pas
     ("wait-prefetch-at-once", ["forward"], ["backward"]),
     ("blocking-all-gather", ["forward", "backward"], []),
     ("poll-all-gather-at-once", ["forward", "backward"], []),
+    ("wait-work-at-once", ["forward", "backward"], []),
     ("token-compute-forward", ["forward"], ["backward"]),
     ("token-compute-backward", ["backward"], ["forward"]),
 ])
@@ -143,12 +144,21 @@ def test_overlap_check_fails_when_waiting_at_once(mutant, pool2, tmp_path, name,
         checks.assert_overlap(profiles, which)
 
 
+def test_overlap_check_fails_when_the_fsdp_runs_the_model(mutant, pool2, tmp_path):
+    """Only the model's own run counts as compute: an FSDP that calls one of the model's modules itself
+    (here the root's norm, once per forward) is told so, in both passes' checks."""
+    profiles = checks.profile_both(pool2, mutant("extra-model-call"), tmp_path / "profiles")
+    for which in ("forward", "backward"):
+        with pytest.raises(AssertionError, match="an FSDP never calls the model's modules itself"):
+            checks.assert_overlap(profiles, which)
+
+
 @pytest.mark.parametrize("bonus", ["bonus1", "bonus2", "bonus3"])
 def test_bonus_check_fails_without_the_bonus(pool2, tmp_path, bonus):
     """The reference with one bonus region stripped breaks that bonus's promise, by name."""
     variant = tmp_path / f"without_{bonus}.py"
     variant.write_text(make_skeleton.render(SOLUTION.read_text(), strip={bonus}))
-    with pytest.raises(AssertionError, match=rf"hand-written FSDP breaks the promise of bonus {bonus[-1]}"):
+    with pytest.raises(AssertionError, match=rf"effdl breaks the promise of bonus {bonus[-1]}"):
         checks.check_mode(pool2, str(variant), [bonus], "float32", "float32", tmp_path / "run")
 
 

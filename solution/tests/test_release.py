@@ -130,7 +130,7 @@ def test_student_repository_installs_tests_and_grades(student_repo):
             graded = shell(step["run"], student_repo, PYTEST_ADDOPTS="-m task1 -k test_task1_forward")
             assert graded.returncode == 0, show(graded)
     # not -q: the header names the file under test
-    assert f"hand-written FSDP under test: {student_repo / 'fsdp.py'}" in graded.stdout, show(graded)
+    assert f"effdl (the FSDP under test): {student_repo / 'fsdp.py'}" in graded.stdout, show(graded)
     assert re.search(r"^task 1 forward +3 / 3 +10 cases pass", graded.stdout, re.M), show(graded)
     assert re.search(rf"^total +3 / 3 \(of the lines graded; all: {TOTAL}\)$", graded.stdout, re.M), show(graded)
     earned = {s["with"]["test-name"]: shell(s["with"]["command"], student_repo) for s in classroom.graders(doc)}

@@ -1,6 +1,6 @@
 """The checks behind test.py, as plain functions over one world size's ranks (ranks.Ranks).
 
-Each `check_*` runs FSDP2 and a hand-written FSDP (`impl`: student or a .py path) on one world
+Each `check_*` runs FSDP2 and effdl, the FSDP under test (`impl`: student or a .py path) on one world
 size's spawned ranks (ranks.Ranks: FSDP2 on the trusted pool, the file under test on the sandboxed
 one, whose results come back as data; the rank jobs: jobs.py; FSDP2's side from fsdp2_cache when
 the same run was made before: `run_fsdp2`), compares what they did (compare.py) by the
@@ -37,7 +37,7 @@ def run(pool: Ranks | RankPool, fn, *args):
     FSDP2's), with a check that failed on the ranks raised here as an AssertionError."""
     __tracebackhide__ = True  # the student's line is in the ranks' traceback, not here
     cfg = next((a for a in args if isinstance(a, train.Config)), None)
-    where = f"[{describe(cfg, pool.world_size)}, {cfg.fsdp if cfg.fsdp != 'effdl' else 'hand-written'}] " if cfg else ""
+    where = f"[{describe(cfg, pool.world_size)}, {cfg.fsdp}] " if cfg else ""
     try:
         return pool.run(fn, *args, timeout=300)
     except RankError as e:
@@ -76,13 +76,13 @@ def run_fsdp2(pool: Ranks, job, *args, fresh: bool = False, analysed: bool = Fal
 
 
 def run_graded(pool: Ranks, job, cfg: train.Config) -> tuple[list[Run], list[Run]]:
-    """FSDP2's and the hand-written FSDP's runs of `job`; fails at once if the latter is FSDP2."""
+    """FSDP2's and effdl's runs of `job`; fails at once if the latter is FSDP2."""
     __tracebackhide__ = True
     ref = run_fsdp2(pool, job, as_fsdp2(cfg))
     got = run(pool, job, cfg)
     for rank, r in enumerate(got):
-        if r.fsdp2:
-            raise AssertionError(f"{cfg.impl}: {handwritten.verdict(r.fsdp2)} [rank {rank}]")
+        if r.uses_fsdp2:
+            raise AssertionError(f"{cfg.impl}: {handwritten.verdict(r.uses_fsdp2)} [rank {rank}]")
     return ref, got
 
 
@@ -132,8 +132,8 @@ def check_step(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **ov
 
 def compare_step(pool: Ranks, cfg, what: str) -> tuple[list, list[str]]:
     """The graded run of `cfg` and FSDP2's: no rank's problems, every loss, grad norm and shard
-    bit-identical, every collective FSDP2's (by process group on a 2-D mesh). The hand-written
-    FSDP's runs, and the evidence of each phase's collectives."""
+    bit-identical, every collective FSDP2's (by process group on a 2-D mesh). effdl's
+    runs, and the evidence of each phase's collectives."""
     __tracebackhide__ = True
     ref, got = run_graded(pool, train_job, cfg)
     for rank, r in enumerate(got):
@@ -153,7 +153,7 @@ def check_odd_shapes(pool: Ranks, impl: str) -> str:
     for name, values in ref.items():
         if name not in got:
             raise AssertionError(f"odd shapes, world {pool.world_size}: {name.removesuffix('.grad')} has no "
-                                 f"{'gradient' if name.endswith('.grad') else 'value'} in the hand-written run")
+                                 f"{'gradient' if name.endswith('.grad') else 'value'} in effdl's run")
         for step, (a, b) in enumerate(zip(values, got[name]), start=1):
             if not torch.equal(a, b):
                 raise AssertionError(f"odd shapes, world {pool.world_size}: {name} differs from FSDP2's "
@@ -165,13 +165,13 @@ def check_odd_shapes(pool: Ranks, impl: str) -> str:
 # --------------------------------------------------------------------------- memory (task 3, bonuses)
 
 
-# Called as memory_seen(case, runs) with each memory check's runs ({"FSDP2": [...], "hand-written": [...]},
+# Called as memory_seen(case, runs) with each memory check's runs ({"FSDP2": [...], "effdl": [...]},
 # jobs.Memory per rank) before it judges them: `pytest --artifacts` records the peaks (conftest.py).
 memory_seen = None
 
 
 def allowance(m) -> int:
-    """The bytes a hand-written FSDP's peak per step may exceed FSDP2's: one block's reduce-scatter
+    """The bytes effdl's peak per step may exceed FSDP2's: one block's reduce-scatter
     input and one collective's buffer freed late (jobs.Memory's block sizes)."""
     return m.block_reduce + LATE_BUFFERS * m.block_largest
 
@@ -188,12 +188,12 @@ def check_memory(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **
     what = describe(cfg, pool.world_size)
     runs = {"FSDP2": run_fsdp2(pool, memory_job, as_fsdp2(cfg), fresh=True)}
     with RankPool(pool.world_size, device=pool.device, role="sandboxed") as fresh:
-        runs["hand-written"] = run(fresh, memory_job, cfg)
+        runs["effdl"] = run(fresh, memory_job, cfg)
     if memory_seen is not None:
         memory_seen(what + "".join(f", {k}={v}" for k, v in overrides.items()), runs)
     mib = lambda n: f"{n / 2**20:.2f} MiB"
     worst, margin = -float("inf"), 0
-    for rank, (ref, got) in enumerate(zip(runs["FSDP2"], runs["hand-written"])):
+    for rank, (ref, got) in enumerate(zip(runs["FSDP2"], runs["effdl"])):
         if any(n != got.live[1] for n in got.live[1:]):  # step 1 may still create state (the optimizer's)
             raise AssertionError(f"{what}: rank {rank} holds {', '.join(mib(n) for n in got.live)} of tensors at the "
                                  f"end of steps 1 to {len(got.live)} (each distinct storage a Python-visible tensor "
@@ -213,7 +213,7 @@ def check_memory(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **
                 f"(+{mib(steady - steady_ref)}, allowed {mib(margin)}: one block's reduce-scatter input and one "
                 "collective's buffer freed late; the least of steps 2.., tensor memory): something is kept longer "
                 f"than FSDP2 keeps it (gathered parameters, gradients, communication buffers). Per step: "
-                f"hand-written {', '.join(mib(x) for x in got.peaks)}; FSDP2 {', '.join(mib(x) for x in ref.peaks)}")
+                f"effdl {', '.join(mib(x) for x in got.peaks)}; FSDP2 {', '.join(mib(x) for x in ref.peaks)}")
     return f"peak {worst / 2**20:+.1f} MiB over FSDP2 (allowed +{margin / 2**20:.1f})"
 
 
@@ -222,7 +222,7 @@ def check_memory(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **
 
 @dataclasses.dataclass
 class Profiles:
-    """One profiled run of FSDP2 and of the hand-written FSDP, analysed."""
+    """One profiled run of FSDP2 and of effdl, analysed."""
 
     what: str
     fsdp2: RunStats
@@ -236,7 +236,7 @@ def profile_both(pool: Ranks, impl: str, folder, memory: bool = False, **overrid
 
 
 def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory: bool = False):
-    """Profiled runs of FSDP2 and the hand-written FSDP (same config otherwise): their analysed
+    """Profiled runs of FSDP2 and effdl (same config otherwise): their analysed
     traces under folder/<fsdp2|effdl>/traces, and per implementation each rank's Run (train_job). The checks read the schedule and the collectives only, so by default there are
     no allocation events and no snapshots (memory=True: snapshots in folder/<...>/snapshots)."""
     __tracebackhide__ = True
@@ -263,7 +263,7 @@ def assert_same_collectives(p: Profiles, promise: str = "") -> None:
         a, b = p.fsdp2.comm.kind(kind).count_by_phase, p.effdl.comm.kind(kind).count_by_phase
         if a != b:
             raise AssertionError(
-                f"{p.what}: {kind.replace('_', '-')}s per step by phase: FSDP2 {fmt(a)}, hand-written "
+                f"{p.what}: {kind.replace('_', '-')}s per step by phase: FSDP2 {fmt(a)}, effdl "
                 f"{fmt(b)}{promise}. Expected one per group and micro-step where FSDP2 has one; an extra "
                 "all-gather in backward often means the root was resharded after forward (FSDP2 keeps "
                 "it gathered), a missing one a prefetch that was never waited for")
@@ -275,6 +275,11 @@ def assert_overlap(p: Profiles, which: str) -> str:
     for after, compute of another group."""
     __tracebackhide__ = True
     assert_same_collectives(p)
+    if p.effdl.model_calls != p.fsdp2.model_calls:
+        raise AssertionError(
+            f"{p.what}: the model's layers ran {p.effdl.model_calls} forwards in the profiled steps, under FSDP2 "
+            f"{p.fsdp2.model_calls}: an FSDP never calls the model's modules itself (only compute the model does "
+            "counts as overlap, see docs/measuring.md)")
     shown = []
     for kind, phase, fix in OVERLAP[which]:
         if not p.effdl.comm.kind(kind).by_phase[phase].count:
@@ -303,7 +308,7 @@ def assert_overlap(p: Profiles, which: str) -> str:
 
 
 def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder) -> str:
-    """One profiled run each of FSDP2 and the hand-written FSDP in the given bonus modes: the
+    """One profiled run each of FSDP2 and effdl in the given bonus modes: the
     collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
     every loss, grad norm and parameter shard equals FSDP2's."""
     __tracebackhide__ = True
@@ -324,7 +329,7 @@ def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduc
             if not MODES[m].holds(s, groups):
                 shown = {k: fmt(s.kind(k).count_by_phase) for k in ("all_gather", "reduce_scatter")}
                 raise AssertionError(
-                    f"{what}: {'FSDP2' if who == 'fsdp2' else 'the hand-written FSDP'} breaks the promise of "
+                    f"{what}: {'FSDP2' if who == 'fsdp2' else 'effdl'} breaks the promise of "
                     f"{MODES[m].name}: {MODES[m].promise}; the trace shows per step all-gathers "
                     f"{shown['all_gather']}, reduce-scatters {shown['reduce_scatter']} ({groups} groups, "
                     f"{cfg.num_gradient_accumulation_steps} micro-steps)")
@@ -340,7 +345,7 @@ def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduc
 
 
 def check_hsdp(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, folder, replicate: int = 2) -> str:
-    """Bonus 4: HSDP on a (replicate, world/replicate) mesh, FSDP2's HSDP against the hand-written FSDP
+    """Bonus 4: HSDP on a (replicate, world/replicate) mesh, FSDP2's HSDP against effdl
     (policy.HSDP: a 2-block Llama, to keep 4 ranks on a small machine quick): every loss, grad norm and
     shard bit-identical, the collectives of each phase FSDP2's in count, dtype, bytes and process group
     (all-gathers and reduce-scatters within the shard group, the all-reduce across the replicate group);
@@ -373,7 +378,7 @@ def check_hsdp(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, fold
         ", ".join(o for o in overlap if o)
 
 
-# --------------------------------------------------------------------------- hand-written, not FSDP2
+# --------------------------------------------------------------------------- effdl, not FSDP2
 
 
 _NOT_FSDP2: dict[str, str | None] = {}
@@ -390,7 +395,7 @@ def check_not_fsdp2(pool: Ranks, impl: str) -> None:
         if problem is None:
             cfg = config(impl)
             try:
-                problem = next((r.fsdp2 for r in run(pool, forward_job, cfg) if r.fsdp2), None)
+                problem = next((r.uses_fsdp2 for r in run(pool, forward_job, cfg) if r.uses_fsdp2), None)
             except RankError:
                 problem = None  # its forward crashes: the graded tests say where
         _NOT_FSDP2[impl] = problem

@@ -1,4 +1,4 @@
-"""Comparisons of a hand-written run with FSDP2's: each raises AssertionError saying exactly what
+"""Comparisons of effdl's run (the FSDP under test) with FSDP2's: each raises AssertionError saying exactly what
 differs, where, and by how much (numbers, parameter shards, collectives)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from harness.tools.grading.jobs import Run
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     """How many elements differ, the max abs difference and the max distance in ulps."""
     if a.shape != b.shape or a.dtype != b.dtype:
-        return f"FSDP2's is {a.dtype} {tuple(a.shape)}, the hand-written {b.dtype} {tuple(b.shape)}"
+        return f"FSDP2's is {a.dtype} {tuple(a.shape)}, effdl's {b.dtype} {tuple(b.shape)}"
     differ = a.reshape(-1) != b.reshape(-1)
     x, y = a.reshape(-1)[differ], b.reshape(-1)[differ]
     if not x.numel():
@@ -40,12 +40,12 @@ def assert_same_numbers(ref: train.TrainResult, got: train.TrainResult, what: st
     for metric, label in (("losses", "loss"), ("grad_norms", "grad norm")):
         a, b = getattr(ref, metric), getattr(got, metric)
         if len(a) != len(b):
-            raise AssertionError(f"{what}: FSDP2 ran {len(a)} steps, the hand-written FSDP {len(b)}")
+            raise AssertionError(f"{what}: FSDP2 ran {len(a)} steps, effdl {len(b)}")
         for step, (x, y) in enumerate(zip(a, b), start=1):
             if x != y:
                 raise AssertionError(
                     f"{what}: {label} differs at step {step}: FSDP2 {x!r}, "
-                    f"hand-written {y!r}, {ulps(x, y)} (steps before it were equal: {step - 1}). Bitwise equality "
+                    f"effdl {y!r}, {ulps(x, y)} (steps before it were equal: {step - 1}). Bitwise equality "
                     "needs FSDP2's padding, casts and ReduceOp.AVG inside the reduce-scatter."
                 )
 
@@ -69,7 +69,7 @@ def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: s
 def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str, by_group: bool = False) -> str:
     """Per phase, the all-gathers and reduce-scatters (dtype and bytes of each) equal FSDP2's; by_group
     (HSDP): also each one's process group, and the all-reduces of backward. At world size 1 (one Run)
-    nothing is compared: FSDP2 exchanges nothing with itself, and a hand-written FSDP that still issues
+    nothing is compared: FSDP2 exchanges nothing with itself, and an effdl that still issues
     its collectives there does no harm."""
     __tracebackhide__ = True
     if len(ref) == 1:
@@ -84,7 +84,7 @@ def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str, by_g
         if by_group and sa != sb and {(k[0], k[1]) for k in sa} != {(k[0], k[1]) for k in sb}:
             raise AssertionError(
                 f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's in kind or process group: the "
-                f"hand-written FSDP sent {show(sb)}; FSDP2 sent {show(sa)}. HSDP: all-gathers and reduce-scatters "
+                f"effdl sent {show(sb)}; FSDP2 sent {show(sa)}. HSDP: all-gathers and reduce-scatters "
                 "within the shard group (mesh dim 1), the all-reduce across the replicate group (mesh dim 0) (H12)")
         if sa != sb:
             wrong_dtype = {k[-2] for k in sb} - {k[-2] for k in sa}
@@ -92,7 +92,7 @@ def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str, by_g
                     f"{', '.join(sorted({k[-2] for k in sa}))}: cast before the all-gather (H6) and reduce "
                     "in the reduce dtype (H8)." if wrong_dtype else
                     " One collective per group and phase, each the group's padded shards (H1, H5).")
-            raise AssertionError(f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's: the hand-written "
+            raise AssertionError(f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's: effdl's "
                                  f"FSDP sent {show(sb)}; FSDP2 sent {show(sa)}.{hint}")
     sent = ref[0].comm.sent_by_group(phase) if by_group else ref[0].comm.sent(phase)
     total = sum(n * k[-1] for k, n in sent.items())

@@ -1,6 +1,6 @@
 """FSDP2's side of every graded comparison, computed once per machine and code, then reused.
 
-Every check compares a hand-written FSDP with FSDP2 in the same case, and FSDP2's run is the same
+Every check compares effdl with FSDP2 in the same case, and FSDP2's run is the same
 for every submission: same configuration, code, torch and machine. `get` returns what an earlier
 run of FSDP2 gave in exactly that case, or computes and stores it:
 

@@ -95,13 +95,13 @@ class CommLog(TorchDispatchMode):
         self.step = 0  # set by the job: 0 is wrapping, then the optimizer step under way
         self.events: list[tuple[int, str, str, str, int]] = []
         self.groups: list[tuple[int, ...] | None] = []  # each event's process group
-        self.fsdp2: str | None = None
+        self.uses_fsdp2: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ns, name = func.namespace, func.__name__.split(".")[0]
-        if ns == "fsdp" and self.fsdp2 is None:
-            self.fsdp2 = f"it runs FSDP2's op fsdp::{name}"
+        if ns == "fsdp" and self.uses_fsdp2 is None:
+            self.uses_fsdp2 = f"it runs FSDP2's op fsdp::{name}"
         if ns in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
             kind, index = _COLLECTIVES[name]
             tensors = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]
@@ -113,12 +113,12 @@ class CommLog(TorchDispatchMode):
                 self.events.append((self.step, phase, kind, str(t.dtype).removeprefix("torch."),
                                     t.numel() * t.element_size()))
                 self.groups.append(ranks)
-            if self.fsdp2 is None:
-                self.fsdp2 = handwritten.stack_problem()
+            if self.uses_fsdp2 is None:
+                self.uses_fsdp2 = handwritten.stack_problem()
         return func(*args, **kwargs)
 
     def record(self) -> Comm:
-        return Comm(list(self.events), self.fsdp2, list(self.groups))
+        return Comm(list(self.events), self.uses_fsdp2, list(self.groups))
 
 
 @dataclasses.dataclass
@@ -127,7 +127,7 @@ class Comm:
     a collective."""
 
     events: list[tuple[int, str, str, str, int]]
-    fsdp2: str | None
+    uses_fsdp2: str | None
     groups: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)  # each event's process group
 
     def sent(self, phase: str) -> dict:
@@ -211,7 +211,7 @@ class Run:
     digests: list[dict[str, str]]
     problems: list[str]
     comm: Comm
-    fsdp2: str | None
+    uses_fsdp2: str | None
     forward_loss: float | None = None
 
 
@@ -233,7 +233,7 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
         if step == 0:
             if mark is not None:
                 marks.enter_context(marked_compute(model, mark))
-            holder["fsdp2"] = fsdp2_problem(model, cfg)
+            holder["uses_fsdp2"] = fsdp2_problem(model, cfg)
             holder["probes"] = Probes(model, cfg.reshard_after_forward) if sharded and observe else None
         elif holder["probes"] is not None:
             holder["probes"].after_step(step)
@@ -251,7 +251,7 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
                    "(while wrapping the model with fully_shard)")
         raise
     problems = holder["probes"].problems if holder.get("probes") else []
-    return Run(result, digests, problems, log.record(), holder.get("fsdp2") or log.fsdp2)
+    return Run(result, digests, problems, log.record(), holder.get("uses_fsdp2") or log.uses_fsdp2)
 
 
 def forward_job(cfg: train.Config) -> Run:
@@ -272,7 +272,7 @@ def forward_job(cfg: train.Config) -> Run:
             probes.problems.append(f"{when}: layers.{name} is a {type(p).__name__}, not its sharded DTensor "
                                    "(a block that reshards after forward puts its sharded parameters back)")
             break
-    return Run(None, [], probes.problems, log.record(), problem or log.fsdp2, forward_loss=loss.item())
+    return Run(None, [], probes.problems, log.record(), problem or log.uses_fsdp2, forward_loss=loss.item())
 
 
 def shard_job(cfg: train.Config, step: int, name: str) -> torch.Tensor:

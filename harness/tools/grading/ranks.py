@@ -396,7 +396,7 @@ class RankPool:
 
 def under_test(args: tuple) -> bool:
     """Whether a job with these arguments runs the file under test: one of them is a train.Config of
-    the hand-written FSDP (fsdp="effdl"), or, with no Config, one of them is text (the --impl a job
+    effdl (fsdp="effdl"), or, with no Config, one of them is text (the --impl a job
     such as odd_shapes_job loads itself)."""
     import train
 

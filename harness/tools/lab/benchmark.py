@@ -1,12 +1,12 @@
-"""Speed, memory and overlap of the hand-written FSDP against FSDP2, in one interleaved run.
+"""Speed, memory and overlap of effdl (the FSDP under test) against FSDP2, in one interleaved run.
 
     uv run python -m harness.tools.lab.benchmark                       # debug model, seq 256 and 1024: every GPU, else 2 CPU ranks
     uv run python -m harness.tools.lab.benchmark --device cpu          # 2 CPU ranks, gloo, even on a machine with GPUs
     uv run python -m harness.tools.lab.benchmark --impl student --seq-lens 256
 
-For each sequence length, FSDP2 and the hand-written FSDP alternate (A B, B A, A B, ...), each
+For each sequence length, FSDP2 and effdl (the FSDP under test) alternate (A B, B A, A B, ...), each
 run on fresh ranks (on CPU forked from the same preloaded image), so drifting machine load and what a
-process accumulated hit both alike. Reported as ratios hand-written / FSDP2 of the medians:
+process accumulated hit both alike. Reported as ratios effdl / FSDP2 of the medians:
   * step time: median over runs of each run's median step (the first step, warm-up, skipped);
   * peak memory: CUDA's peak allocated; on CPU the peak resident set above the rank's resident
     set when the run began (the Python/torch baseline, the same for both, would hide any ratio),
@@ -42,7 +42,7 @@ class Args:
     over interleaved runs."""
 
     impl: str = "student"
-    """the FSDP under test: student (fsdp.py) or the path of a .py file."""
+    """the file effdl (the FSDP under test) imports: student (fsdp.py) or the path of a .py file."""
     seq_lens: tuple[int, ...] = (256, 1024)
     model: Literal["debug", "1b"] = "debug"
     batch_size: int = 2
@@ -74,7 +74,7 @@ def main(args: Args) -> int:
     world = args.world_size or (torch.cuda.device_count() if device == "cuda" else 2)
     args = dataclasses.replace(args, device=device)
     print(f"benchmark: {args.model} model, {world} x {args.device}, batch {args.batch_size}, {args.num_steps} "
-          f"steps (first skipped), {args.repeats} interleaved runs each; hand-written: {args.impl} "
+          f"steps (first skipped), {args.repeats} interleaved runs each; effdl: {args.impl} "
           f"({path})", flush=True)
     if args.device == "cpu" and (why := memory.exact_available()):
         print(f"peak memory: from the speed runs, not exact ({why}); {memory.NOTE[len('note: '):]}", flush=True)

@@ -1,6 +1,6 @@
 """The writeup lab: one command measures what the writeup asks, as markdown tables and PNG plots.
 
-    uv run python -m harness.tools.lab.report                          # the hand-written fsdp.py, full report (~5 min, 2 cores)
+    uv run python -m harness.tools.lab.report                          # effdl (fsdp.py), full report (~5 min, 2 cores)
     uv run python -m harness.tools.lab.report --quick                  # small model, about a minute
     uv run python -m harness.tools.lab.report --impl path/to/fsdp.py --out my-report
 
@@ -64,7 +64,7 @@ class Args:
     5 minutes on an idle 2-core machine. Exits 1 when a check on the measured facts fails."""
 
     impl: str = "student"
-    """the FSDP under test: student (fsdp.py) or the path of a .py file."""
+    """the file effdl (the FSDP under test) imports: student (fsdp.py) or the path of a .py file."""
     quick: bool = False
     """a 2-block dim-128 model, one run of each, 3 message sizes: about a minute on 2 cores (the test
     runs it). Default, the full report: debugmodel, 3 repeats, 4 KiB..32 MiB, about 5 minutes."""

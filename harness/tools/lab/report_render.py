@@ -13,8 +13,8 @@ from harness.memory_model import PerRank
 from harness.tools.lab.report_results import Report, label, to_json
 
 MiB = 2**20
-NAMES = {"none": "DDP (no sharding)", "noprefetch": "hand-written, no prefetch",
-         "effdl": "hand-written, prefetch", "fsdp2": "FSDP2"}
+NAMES = {"none": "DDP (no sharding)", "noprefetch": "effdl, no prefetch",
+         "effdl": "effdl, prefetch", "fsdp2": "FSDP2"}
 
 
 def mib(x: float) -> str:
@@ -41,7 +41,7 @@ def render(out: Path, report: Report, checks: list[str], warnings: list[str]) ->
                                 "- all-gathers per step equal the analytic count, reshard_after_forward True and False",
                                 "- HSDP: collectives and bytes per step on each link (shard group, replicate group) "
                                 "equal the analytic ones, FSDP and HSDP; losses bit-identical to FSDP2's on each mesh",
-                                "- losses bit-identical: FSDP2, hand-written with and without prefetch",
+                                "- losses bit-identical: FSDP2, effdl with and without prefetch",
                                 "- measured shards, gradients and optimizer state equal the analytic bytes; the "
                                 "ranks' shards hold every parameter element once",
                                 "- every loss finite and positive, every memory peak and part positive"])
@@ -160,13 +160,13 @@ def overlap_section(out: Path, cmd: str) -> list[str]:
     from harness.tools.traces import pictures
 
     md = ["", "## Overlap (W=2, rank 0)", "",
-          "One profiled step of FSDP2 above the same step of the hand-written FSDP, each from its step's start: "
+          "One profiled step of FSDP2 above the same step of effdl, each from its step's start: "
           "per FSDP group its forward and backward compute, and its all-gathers and reduce-scatters from issued "
           "to waited for (green: another group computed meanwhile), with where gloo ran them "
           "(harness/tools/traces/pictures.py).", ""]
     try:
         pictures.overlap_png(out / "traces" / "fsdp2", out / "traces" / "effdl", out / "overlap.png",
-                             title="Overlap: FSDP2 and the hand-written FSDP")
+                             title="Overlap: FSDP2 and effdl")
     except (OSError, ValueError) as e:  # traces missing or not train.py's: the rest of the report stands
         return md + [f"Not drawn: {e}", ""]
     return md + [f"![overlap](overlap.png)  \n`{cmd}` (overlap.png)", ""]
@@ -304,7 +304,7 @@ def timeline_section(out: Path, report: Report, cmd: str) -> list[str]:
     ax.legend(fontsize=8)
     _save(fig, out / "memory_timeline.png")
     return ["## Memory timeline (rank 0, W=2)", "",
-            "Sampled every millisecond during 3 steps of the hand-written FSDP: on CPU the resident set with "
+            "Sampled every millisecond during 3 steps of effdl: on CPU the resident set with "
             "`--exact-cpu-memory` (the whole process; the graded tests compare tensor memory), on CUDA the allocated bytes; forward, backward and "
             "optimizer phases shaded. Per-step peaks (MiB): " + ", ".join(mib(p) for p in tl.peaks) + ". "
             "The CPU memory snapshot in snapshots/ shows allocations only (gloo's frees are not recorded), so "

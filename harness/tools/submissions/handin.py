@@ -47,7 +47,7 @@ class Args:
     pytest, e.g. `-- -m task1`."""
 
     impl: str = "student"
-    """the FSDP under test: student (fsdp.py) or the path of a .py file."""
+    """the file effdl (the FSDP under test) imports: student (fsdp.py) or the path of a .py file."""
     out: Path = ROOT / "handin"
     """folder to write."""
     world_size: int = 2
@@ -103,7 +103,7 @@ def attempted_bonuses(impl_file: Path, points: dict | None) -> list[str]:
 
 
 def profile_runs(impl: str, out: Path, runs: list[str], world_size: int) -> list[str]:
-    """Profiled runs of FSDP2 and of the hand-written FSDP; the failures, one line each."""
+    """Profiled runs of FSDP2 and of effdl; the failures, one line each."""
     from harness.tools.grading import jobs, policy
     from harness.tools.grading.ranks import RankError, RankPool
 

@@ -28,7 +28,7 @@ from harness.cli import parse
 from harness.tools.traces.collectives import StepStats, analyze_trace, mean
 from harness.errors import BAD_INPUT, stop
 from harness.tools.traces.memory_analysis import MemoryStats, analyze_memory
-from harness.tools.traces.schedule import Scheduled, must_overlap, schedule
+from harness.tools.traces.schedule import Scheduled, model_calls, must_overlap, schedule
 from harness.tools.traces.trace import KINDS, OTHER, PHASES, Trace, rank_files
 
 
@@ -44,6 +44,8 @@ class RunStats:
     """per rank."""
     scheduled: list[Scheduled] = field(default_factory=list)
     """every FSDP group's collective of every rank (see `schedule`)."""
+    model_calls: int | None = None
+    """forwards of the model's leaf modules over every rank's profiled steps (schedule.model_calls), when marked."""
 
     def overlap(self, kind: str, phase: str) -> tuple[int, int, list[Scheduled]]:
         """(overlapped, that could be, the ones that could be and were not) for one kind and phase."""
@@ -58,11 +60,12 @@ def analyze_run(traces: str | Path, snapshots: str | Path | None = None, *, snap
     A trace profiled without allocation events (train.py --no-profile-memory) has no snapshot of its
     own: one found beside it is an older run's, refused (or, with snapshots_optional, not read). mark: the
     name of the ranges a graded run put around the model's compute (schedule.marked_compute)."""
-    steps, memories, scheduled = [], [], []
+    steps, memories, scheduled, calls = [], [], [], 0
     for path in rank_files(traces, ".json"):
         t = Trace(path)
         steps += analyze_trace(t)
         scheduled += schedule(t, mark)
+        calls += model_calls(t, mark) if mark is not None else 0
         if snapshots is None:
             continue
         snapshot = Path(snapshots) / f"{path.stem}.pickle"
@@ -76,7 +79,8 @@ def analyze_run(traces: str | Path, snapshots: str | Path | None = None, *, snap
         else:
             raise ValueError(f"{path} was profiled with --no-profile-memory, so no snapshot in {snapshots} is "
                              "from its run: profile again without that flag, or analyse the traces alone")
-    return RunStats(mean(steps), MemoryStats.worst(memories) if memories else None, steps, memories, scheduled)
+    return RunStats(mean(steps), MemoryStats.worst(memories) if memories else None, steps, memories, scheduled,
+                    calls if mark is not None else None)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -2,7 +2,7 @@
 
     uv run python -m harness.tools.traces.pictures traces/fsdp2 traces/effdl --out overlap.png
 
-`overlap_png`: one profiled step of one rank, FSDP2 above the hand-written FSDP, on one time axis
+`overlap_png`: one profiled step of one rank, FSDP2 above effdl, on one time axis
 (milliseconds from each step's start). One row per FSDP group (the root, then each block, in forward
 order), and in each row:
   * the group's compute: aten ops outside FSDP's own ranges and c10d ops (what the graded overlap
@@ -15,11 +15,11 @@ order), and in each row:
     grey where none can (a pass's first all-gather, its last reduce-scatter);
   * a black line where the work itself ran (gloo's worker thread, or the NCCL kernel: collectives.py);
   * HSDP: its replica all-reduces (gold, cross-hatched, over the lower half), from issued to waited for:
-    the hand-written FSDP's inside `FSDP::all_reduce (G) [replicate]` up to `all_reduce_wait` / `_done (G)`,
+    effdl's inside `FSDP::all_reduce (G) [replicate]` up to `all_reduce_wait` / `_done (G)`,
     FSDP2's inside its `post_backward_reduce (G)` range (to where the op returned). Drawn, and in the
     legend, only where a trace has them.
 
-`memory_png`: per precision case, each rank's peak memory per step for FSDP2 and the hand-written
+`memory_png`: per precision case, each rank's peak memory per step for FSDP2 and effdl
 FSDP, and the most the memory check allows (FSDP2's least peak of steps 2.. plus its margin).
 
 Both return what they drew, so tests check the data rather than pixels. `draw_artifacts` is what
@@ -44,7 +44,7 @@ from harness.tools.traces.schedule import must_overlap, schedule
 from harness.tools.traces.trace import C10D_OPS, LINK, ROOT_GROUP, Trace, inside, union
 
 MiB = 2**20
-# A group's forward and backward windows, FSDP2's range names (the hand-written FSDP shares them).
+# A group's forward and backward windows, FSDP2's range names (effdl shares them).
 # FSDP2 ends a group's backward with `post_backward_accumulate` / `_reshard` / `_reduce`, the
 # reference with `post_backward` around `post_backward_reduce`: the first after pre_backward closes it.
 WINDOW = re.compile(r"^FSDP::(?P<when>pre|post)_(?P<direction>forward|backward)(?:_accumulate|_reshard|_reduce)?"
@@ -218,8 +218,8 @@ def _block_number(group: str) -> int:
 
 def overlap_png(fsdp2_traces: str | Path | None, effdl_traces: str | Path | None, out: str | Path,
                 title: str = "", rank: int = 0, notes: dict[str, str] | None = None,
-                names: tuple[str, str] = ("FSDP2", "hand-written FSDP")) -> Overlap:
-    """FSDP2's schedule above the hand-written FSDP's, one step of `rank` each, written to `out`.
+                names: tuple[str, str] = ("FSDP2", "effdl")) -> Overlap:
+    """FSDP2's schedule above effdl's, one step of `rank` each, written to `out`.
     A run with no traces (None, or no rank file) gets a panel saying so: `notes[fsdp2|effdl]`
     gives the reason."""
     notes = notes or {}
@@ -346,13 +346,13 @@ def memory_png(cases: dict[str, dict], out: str | Path, title: str = "Peak memor
                     label="FSDP2" if rank == 0 else None)
         for rank, peaks in enumerate(d["effdl"] or []):
             ax.plot(range(1, len(peaks) + 1), peaks, "x--", color="tab:orange", alpha=0.9 - 0.25 * rank,
-                    label="hand-written" if rank == 0 else None)
+                    label="effdl" if rank == 0 else None)
         steps = len(d["fsdp2"][0])
         for rank, allowed in enumerate(d["allowed"]):
             ax.hlines(allowed, 2, max(steps, 2), colors="tab:red", linestyles=":",
                       label="allowed (FSDP2's least of steps 2.. + margin)" if rank == 0 else None)
         if not got:
-            ax.text(0.5, 0.5, "no run of the hand-written FSDP", transform=ax.transAxes, ha="center", color="tab:red")
+            ax.text(0.5, 0.5, "no run of effdl", transform=ax.transAxes, ha="center", color="tab:red")
         ax.set_title(case, fontsize=8)
         ax.set(xlabel="step", ylabel="peak MiB (each rank a line)")
         ax.set_xticks(range(1, steps + 1))
@@ -402,7 +402,7 @@ def failure_reason(text: str) -> str:
 def draw_artifacts(folder: Path, impl: str, failed: str = "") -> list[str]:
     """folder/overlap.png from folder/profiles (tasks 2 and 3's runs) and folder/memory.png from
     folder/memory.json. A picture that cannot be drawn is said in folder/pictures.txt instead, with
-    why; `failed` is why the hand-written FSDP's profiled run left no trace, if it failed. Never
+    why; `failed` is why effdl's profiled run left no trace, if it failed. Never
     raises: the pictures must not change a test session's outcome. Returns the lines written."""
     lines = []
     profiles = folder / "profiles"
@@ -438,7 +438,7 @@ def draw_artifacts(folder: Path, impl: str, failed: str = "") -> list[str]:
 
 @dataclass(frozen=True)
 class Args:
-    """Draw the overlap picture of two profiled runs: FSDP2's schedule above the hand-written FSDP's."""
+    """Draw the overlap picture of two profiled runs: FSDP2's schedule above effdl's."""
 
     traces: Annotated[tuple[Path, Path], tyro.conf.Positional, tyro.conf.arg(metavar="FSDP2_TRACES EFFDL_TRACES")]
     """trace directories with rank{r}.json, e.g. traces/fsdp2 traces/effdl."""

@@ -60,6 +60,13 @@ group's collective in the hook that issued this one, an FSDP never needs either 
 the hook that issued a collective, after the issue, they are a wait at once."""
 WAIT_MARKS = (BLOCKING_WAIT, DONE_WAIT, POLLED_DONE, OTHER_WAIT)
 HOOK_WAIT_MARKS = (POLLED_DONE, OTHER_WAIT)
+ISSUED, WAITED = "Work issued #", "Work waited #"
+"""Each collective's own Work, tagged where it was issued and where the program first waited for it while it
+ran (a blocking wait(), a poll that ended, get_future...): a wait the FSDP's own ranges do not show (a
+program can open an empty `FSDP::all_gather_copy_out` range later) is still the collective's wait."""
+_ISSUING = ("_allgather_base", "allgather", "allgather_into_tensor_coalesced", "_reduce_scatter_base",
+            "reduce_scatter", "reduce_scatter_tensor_coalesced", "allreduce")
+"""the ProcessGroup methods behind every public all-gather, reduce-scatter and all-reduce."""
 
 
 @contextlib.contextmanager
@@ -75,9 +82,16 @@ def marked_waits():
 
     running: set[int] = set()  # the Works is_completed() found running and nothing has waited for since
 
+    def tag(what: str, work) -> None:
+        with torch.profiler.record_function(f"{what}{id(work)}"):
+            pass
+
     def wait(self, *args, **kwargs):
         running.discard(id(self))  # waited for: a later Work at this address starts unpolled
-        with torch.profiler.record_function(DONE_WAIT if plain["is_completed"](self) else BLOCKING_WAIT):
+        done = plain["is_completed"](self)
+        if not done:
+            tag(WAITED, self)
+        with torch.profiler.record_function(DONE_WAIT if done else BLOCKING_WAIT):
             return plain["wait"](self, *args, **kwargs)
 
     def is_completed(self):
@@ -86,6 +100,7 @@ def marked_waits():
             running.add(id(self))
         elif id(self) in running:
             running.discard(id(self))
+            tag(WAITED, self)
             with torch.profiler.record_function(POLLED_DONE):
                 pass
         return done
@@ -93,6 +108,8 @@ def marked_waits():
     def other(name):
         def waits(self, *args, **kwargs):
             running.discard(id(self))
+            if not plain["is_completed"](self):
+                tag(WAITED, self)
             with torch.profiler.record_function(OTHER_WAIT):
                 return plain[name](self, *args, **kwargs)
         return waits
@@ -104,6 +121,18 @@ def marked_waits():
         with torch.profiler.record_function(OTHER_WAIT):
             return plain_barrier(*args, **kwargs)
 
+    group = torch.distributed.ProcessGroup
+    issuing = {name: getattr(group, name) for name in _ISSUING}
+
+    def issues(name):
+        def issue(self, *args, **kwargs):
+            out = issuing[name](self, *args, **kwargs)
+            tag(ISSUED, out)
+            return out
+        return issue
+
+    for name in _ISSUING:
+        setattr(group, name, issues(name))
     work.wait, work.is_completed = wait, is_completed
     for name in ("get_future", "synchronize", "result"):
         setattr(work, name, other(name))
@@ -113,6 +142,8 @@ def marked_waits():
     finally:
         for name, method in plain.items():
             setattr(work, name, method)
+        for name, method in issuing.items():
+            setattr(group, name, method)
         torch.distributed.barrier = c10d.barrier = plain_barrier
 
 
@@ -134,19 +165,26 @@ MODEL_BACKWARD = re.compile(r"^\w+Backward\d+$")
 def marked_compute(model: torch.nn.Module, mark: str):
     """Every forward of one of `model`'s leaf modules runs inside a range named `mark` (see
     [Note: what counts as compute]): the forward of each leaf class that torch or torchtitan defines,
-    for instances of exactly that class (a subclass may add code around it). Put back however it ends."""
+    for the model's own instances of exactly that class (a subclass may add code around it). How many
+    ran is compared with FSDP2's (`model_calls`): an FSDP never calls the model's modules itself. Put
+    back however it ends."""
     import torchtitan
 
     homes = tuple(str(Path(m.__file__).parent) + "/" for m in (torch, torchtitan))
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    mine = {id(m) for m in leaves}  # the model's own leaves: a Linear the FSDP makes for itself is not the model
     plain = {}
-    for cls in {type(m) for m in model.modules() if next(m.children(), None) is None}:
+    for cls in {type(m) for m in leaves}:
         forward = cls.__dict__.get("forward")
         if getattr(getattr(forward, "__code__", None), "co_filename", "").startswith(homes):
             plain[cls] = forward
 
     def marked(cls, forward):
         def run(self, *args, **kwargs):
-            if type(self) is not cls:
+            # Only the module as the model built it: its attribute tables plain dicts, so that reading
+            # self.weight in its forward runs nothing of the FSDP's.
+            if type(self) is not cls or id(self) not in mine or any(
+                    type(self.__dict__.get(table)) is not dict for table in ("_parameters", "_buffers", "_modules")):
                 return forward(self, *args, **kwargs)
             with torch.profiler.record_function(mark):
                 return forward(self, *args, **kwargs)
@@ -159,6 +197,11 @@ def marked_compute(model: torch.nn.Module, mark: str):
     finally:
         for cls, forward in plain.items():
             cls.forward = forward
+
+
+def model_calls(t: Trace, mark: str) -> int:
+    """How many forwards of the model's leaf modules ran in the trace's profiled steps."""
+    return sum(1 for e in t.ranges if e.get("cat") == "user_annotation" and e["name"] == mark)
 
 
 def compute_ops(on: list[dict], fsdp: list, c10d: list, mark: str | None) -> list[float]:
@@ -200,6 +243,22 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
             if (group := t.group_of(op)) is not None and C10D_OPS[op["name"]][0] in ("all_gather", "reduce_scatter"):
                 issues[C10D_OPS[op["name"]][0], group].append(op)
         any_wait = sorted(e["ts"] for e in on if e["name"] in WAIT_MARKS)
+        issued_tags = sorted((e["ts"], e["name"][len(ISSUED):]) for e in on if e["name"].startswith(ISSUED))
+        waited_tags: dict[str, list[float]] = defaultdict(list)
+        for e in on:
+            if e["name"].startswith(WAITED):
+                waited_tags[e["name"][len(WAITED):]].append(e["ts"])
+        thread_ops = sorted(op["ts"] for op in t.ops if (op["pid"], op["tid"]) == thread)
+
+        def own_wait(op: dict) -> float | None:
+            """When the program first waited for this collective's own Work while it ran (see ISSUED)."""
+            end = op["ts"] + op["dur"]
+            i = bisect.bisect_left(issued_tags, (end, ""))
+            later = bisect.bisect_right(thread_ops, op["ts"])
+            if i == len(issued_tags) or later < len(thread_ops) and thread_ops[later] < issued_tags[i][0]:
+                return None  # not issued through a ProcessGroup method marked_waits tags
+            tagged, work = issued_tags[i]
+            return next((ts for ts in sorted(waited_tags.get(work, ())) if ts > tagged), None)
         hook_wait = sorted(e["ts"] for e in on if e["name"] in HOOK_WAIT_MARKS)
         group_ranges = t.groups.get(thread)
         for (kind, group), ops in issues.items():
@@ -221,6 +280,11 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                     waited, what = hook_wait[h], "at once"
                 elif waited is not None and hook and waited <= hook[1]:
                     what = "at once"
+                # Its own Work waited for, while it ran, before any compute and before FSDP's ranges say so: at once.
+                own = own_wait(op)
+                if own is not None and what != "at once" and (waited is None or own < waited) \
+                        and bisect.bisect_left(compute, end) == bisect.bisect_left(compute, own):
+                    waited, what = own, "at once"
                 blocked = what != "reduce_scatter_done"
                 ran = (waited is not None and what != "at once"
                        and bisect.bisect_left(compute, end) < bisect.bisect_left(compute, waited))

@@ -35,7 +35,7 @@ C10D_OPS = {
     "c10d::allreduce_": ("all_reduce", "gloo:all_reduce", 0),              # ([tensors], ...)
 }
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
-# FSDP's profiler ranges around a group's collectives (FSDP2's names, which the hand-written FSDP
+# FSDP's profiler ranges around a group's collectives (FSDP2's names, which effdl
 # shares): `FSDP::all_gather (layers.3)`; the root's group has no name in parentheses. On a 2-D mesh
 # (HSDP) the reference also names the process group: `FSDP::all_gather (layers.3) [shard]` (LINK).
 LINK = r"(?: \[(?P<link>shard|replicate)\])?"
