@@ -60,10 +60,12 @@ group's collective in the hook that issued this one, an FSDP never needs either 
 the hook that issued a collective, after the issue, they are a wait at once."""
 WAIT_MARKS = (BLOCKING_WAIT, DONE_WAIT, POLLED_DONE, OTHER_WAIT)
 HOOK_WAIT_MARKS = (POLLED_DONE, OTHER_WAIT)
-ISSUED, WAITED = "Work issued #", "Work waited #"
-"""Each collective's own Work, tagged where it was issued and where the program first waited for it while it
-ran (a blocking wait(), a poll that ended, get_future...): a wait the FSDP's own ranges do not show (a
-program can open an empty `FSDP::all_gather_copy_out` range later) is still the collective's wait."""
+ISSUED, WAITED, FOUND_DONE = "Work issued #", "Work waited #", "Work found done #"
+"""Each collective's own Work, tagged where it was issued, where the program waited for it while it ran (a
+blocking wait(), a poll that ended, get_future...) and where it called wait() on it once done: a wait the
+FSDP's own ranges do not show (a program can open an empty `FSDP::all_gather_copy_out` range later) is
+still the collective's wait. An all-gather's first wait() of either kind is where its result was asked
+for; a reduce-scatter found done was not waited for (FSDP2's and the reference's `reduce_scatter_done`)."""
 _ISSUING = ("_allgather_base", "allgather", "allgather_into_tensor_coalesced", "_reduce_scatter_base",
             "reduce_scatter", "reduce_scatter_tensor_coalesced", "allreduce")
 """the ProcessGroup methods behind every public all-gather, reduce-scatter and all-reduce."""
@@ -89,8 +91,7 @@ def marked_waits():
     def wait(self, *args, **kwargs):
         running.discard(id(self))  # waited for: a later Work at this address starts unpolled
         done = plain["is_completed"](self)
-        if not done:
-            tag(WAITED, self)
+        tag(FOUND_DONE if done else WAITED, self)
         with torch.profiler.record_function(DONE_WAIT if done else BLOCKING_WAIT):
             return plain["wait"](self, *args, **kwargs)
 
@@ -244,10 +245,12 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                 issues[C10D_OPS[op["name"]][0], group].append(op)
         any_wait = sorted(e["ts"] for e in on if e["name"] in WAIT_MARKS)
         issued_tags = sorted((e["ts"], e["name"][len(ISSUED):]) for e in on if e["name"].startswith(ISSUED))
-        waited_tags: dict[str, list[float]] = defaultdict(list)
+        waited_tags: dict[str, list[float]] = defaultdict(list)  # Work -> when it was waited for while running
+        done_tags: dict[str, list[float]] = defaultdict(list)  # Work -> when wait() found it done
         for e in on:
-            if e["name"].startswith(WAITED):
-                waited_tags[e["name"][len(WAITED):]].append(e["ts"])
+            for prefix, tags in ((WAITED, waited_tags), (FOUND_DONE, done_tags)):
+                if e["name"].startswith(prefix):
+                    tags[e["name"][len(prefix):]].append(e["ts"])
         thread_ops = sorted(op["ts"] for op in t.ops if (op["pid"], op["tid"]) == thread)
 
         def own_wait(op: dict) -> float | None:
@@ -258,7 +261,8 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
             if i == len(issued_tags) or later < len(thread_ops) and thread_ops[later] < issued_tags[i][0]:
                 return None  # not issued through a ProcessGroup method marked_waits tags
             tagged, work = issued_tags[i]
-            return next((ts for ts in sorted(waited_tags.get(work, ())) if ts > tagged), None)
+            found = [*waited_tags.get(work, ()), *(done_tags.get(work, ()) if C10D_OPS[op["name"]][0] == "all_gather" else ())]
+            return min((ts for ts in found if ts > tagged), default=None)
         hook_wait = sorted(e["ts"] for e in on if e["name"] in HOOK_WAIT_MARKS)
         group_ranges = t.groups.get(thread)
         for (kind, group), ops in issues.items():
