@@ -63,7 +63,7 @@ def forge_pickle_job(job: int, path: str) -> int:
 def forge_fields_job(job: int) -> jobs.Run:
     """Sends a Run whose comm log holds text where numbers belong."""
     header = ('{"job": %d, "status": "ok", "value": {"result": null, "digests": [], "problems": [], "comm": '
-              '{"events": [[1, "forward", "all_gather", "float32", "many"]], "fsdp2": null, "groups": []}, "fsdp2": null, '
+              '{"events": [[1, "forward", "all_gather", "float32", "many"]], "uses_fsdp2": null, "groups": []}, "uses_fsdp2": null, '
               '"forward_loss": 4.09}, "traceback": ""}' % job).encode()
     _channel().send_bytes(struct.pack("<Q", len(header)) + header)
     return None

@@ -83,7 +83,7 @@ def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str, by_g
             (a.comm.sent(phase), b.comm.sent(phase))
         if by_group and sa != sb and {(k[0], k[1]) for k in sa} != {(k[0], k[1]) for k in sb}:
             raise AssertionError(
-                f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's in kind or process group: the "
+                f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's in kind or process group: "
                 f"effdl sent {show(sb)}; FSDP2 sent {show(sa)}. HSDP: all-gathers and reduce-scatters "
                 "within the shard group (mesh dim 1), the all-reduce across the replicate group (mesh dim 0) (H12)")
         if sa != sb:
@@ -92,8 +92,8 @@ def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str, by_g
                     f"{', '.join(sorted({k[-2] for k in sa}))}: cast before the all-gather (H6) and reduce "
                     "in the reduce dtype (H8)." if wrong_dtype else
                     " One collective per group and phase, each the group's padded shards (H1, H5).")
-            raise AssertionError(f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's: effdl's "
-                                 f"FSDP sent {show(sb)}; FSDP2 sent {show(sa)}.{hint}")
+            raise AssertionError(f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's: effdl "
+                                 f"sent {show(sb)}; FSDP2 sent {show(sa)}.{hint}")
     sent = ref[0].comm.sent_by_group(phase) if by_group else ref[0].comm.sent(phase)
     total = sum(n * k[-1] for k, n in sent.items())
     return f"{phase}: {sum(sent.values())} collectives, {total / 2**20:.1f} MiB as FSDP2"

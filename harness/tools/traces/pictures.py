@@ -19,8 +19,8 @@ order), and in each row:
     FSDP2's inside its `post_backward_reduce (G)` range (to where the op returned). Drawn, and in the
     legend, only where a trace has them.
 
-`memory_png`: per precision case, each rank's peak memory per step for FSDP2 and effdl
-FSDP, and the most the memory check allows (FSDP2's least peak of steps 2.. plus its margin).
+`memory_png`: per precision case, each rank's peak memory per step for FSDP2 and
+effdl, and the most the memory check allows (FSDP2's least peak of steps 2.. plus its margin).
 
 Both return what they drew, so tests check the data rather than pixels. `draw_artifacts` is what
 `pytest test.py --artifacts DIR` runs at the end of the session (conftest.py).
