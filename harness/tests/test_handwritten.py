@@ -245,6 +245,8 @@ OUTSIDE = {
                                   "getattr(P, 'put')(torch.Tensor, print)\n", 5, "call methods on your instances"),
     "method_read_through_the_instance_class": ("class P:\n    def put(self, f):\n        self.x = f\n"
                                                "g = type(P()).put\n", 4, "call methods on your instances"),
+    "method_got_through_the_instance_class": ("class P:\n    def put(self, f):\n        self.x = f\n"
+                                              "g = getattr(type(P()), 'put')\n", 4, "from the class `type(P())`"),
     "method_read_through_cls": ("class P:\n    def put(self, f):\n        self.x = f\n    @classmethod\n"
                                 "    def get(cls):\n        return cls.put\n", 6, "call methods on your instances"),
     "static_method_with_a_self": ("class P:\n    @staticmethod\n    def put(self, f):\n        self.add_ = f\n", 4,

@@ -403,12 +403,10 @@ class _Check:
                 self.class_args.update(f.args.args[0].arg for f in node.body if isinstance(f, ast.FunctionDef)
                                        and _decorated(f, "classmethod") and f.args.args)
         for node in ast.walk(self.tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-                    and not isinstance(self.parents.get(id(node)), ast.ClassDef):
-                self.own_functions.add(node.name)
-        for node in ast.walk(self.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 self.own.add(node.name)
+                if not isinstance(node, ast.ClassDef) and not isinstance(self.parents.get(id(node)), ast.ClassDef):
+                    self.own_functions.add(node.name)
             elif isinstance(node, ast.arg):
                 self.own.add(node.arg)
             elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
@@ -709,8 +707,9 @@ class _Check:
         # compute (harness/tools/traces/schedule.py): the training loop's loss.backward() is the only backward.
         import torch
 
+        resolved = self.resolve(node.func)
         if isinstance(node.func, ast.Attribute) and node.func.attr == "backward" \
-                or any(self.resolve(node.func) is f for f in (torch.autograd.grad, torch.autograd.backward)):
+                or resolved is torch.autograd.grad or resolved is torch.autograd.backward:
             return Outside(f"{where} runs a backward of its own (`{ast.unparse(node.func)}`): an FSDP never "
                            "differentiates; the training loop's loss.backward() runs its hooks")
         if func in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
@@ -722,7 +721,7 @@ class _Check:
                 return problem
             if isinstance(key, ast.Constant) and isinstance(key.value, str):
                 if key.value in self.own_methods and self.a_class(node.args[0]):
-                    return Outside(f"{where} takes the method `{key.value}` from the class {node.args[0].id}, where "
+                    return Outside(f"{where} takes the method `{key.value}` from the class `{ast.unparse(node.args[0])}`, where "
                                    "its first argument is whatever the call passes: call methods on your instances")
                 return self.attribute_problem(key.value, node)
             if func in ("getattr", "hasattr"):
@@ -758,7 +757,7 @@ class _Check:
                     return Outside(f"{where} passes `{ast.unparse(arg)}`, torch's or Python's, to its own function "
                                    f"{func}, which could change it: pass your own objects, and use torch's classes "
                                    "in place (isinstance(x, torch.Tensor))")
-        value = self.resolve(node.func)
+        value = resolved
         if isinstance(value, type) and issubclass(value, enum.Enum) and (
                 len(node.args) >= 2 or any(kw.arg == "names" for kw in node.keywords)):
             return Outside(f"{where} makes an enum from strings, whose functional API sets any attribute on the "
