@@ -111,6 +111,20 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "                norm = self.module.norm\n"
         "                norm(torch.ones(norm.weight.shape, dtype=norm.weight.dtype, device=norm.weight.device))\n"
         "            # region task2: forward prefetch\n")],
+    # Calls the group's own norm on a dummy input (marked compute), then hides the model's own call of it behind a
+    # dict subclass, so that the leaf forwards marked as compute stay as many as FSDP2's: every call of the
+    # model's leaves is counted, compute or not.
+    "token-call-unmarked-twin": [(
+        "            self.group.wait_for_unshard()\n            # region task2: forward prefetch\n",
+        "            self.group.wait_for_unshard()\n"
+        "            norm = next((m for m in self.module.children() if isinstance(m, nn.RMSNorm)), None)\n"
+        "            if norm is not None and torch.is_grad_enabled():\n"
+        "                table = norm._parameters\n"
+        "                norm._parameters = dict(table)\n"
+        "                norm(torch.ones(norm.weight.shape, dtype=norm.weight.dtype, device=norm.weight.device))\n"
+        "                norm._parameters = _Table(table)\n"
+        "            # region task2: forward prefetch\n"), (
+        "def _register_group_forward_hooks(", "class _Table(dict):\n    pass\n\n\ndef _register_group_forward_hooks(")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",

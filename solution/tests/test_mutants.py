@@ -144,10 +144,12 @@ def test_overlap_check_fails_when_waiting_at_once(mutant, pool2, tmp_path, name,
         checks.assert_overlap(profiles, which)
 
 
-def test_overlap_check_fails_when_the_fsdp_runs_the_model(mutant, pool2, tmp_path):
+@pytest.mark.parametrize("name", ["extra-model-call", "token-call-unmarked-twin"])
+def test_overlap_check_fails_when_the_fsdp_runs_the_model(mutant, pool2, tmp_path, name):
     """Only the model's own run counts as compute: an FSDP that calls one of the model's modules itself
-    (here the root's norm, once per forward) is told so, in both passes' checks."""
-    profiles = checks.profile_both(pool2, mutant("extra-model-call"), tmp_path / "profiles")
+    (the root's norm once per forward; a block's norm, its own later call hidden from the compute marks)
+    is told so, in both passes' checks."""
+    profiles = checks.profile_both(pool2, mutant(name), tmp_path / "profiles")
     for which in ("forward", "backward"):
         with pytest.raises(AssertionError, match="an FSDP never calls the model's modules itself"):
             checks.assert_overlap(profiles, which)

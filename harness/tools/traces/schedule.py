@@ -160,6 +160,8 @@ def marked_waits():
 #   autograd.Function's node is named `<Class>Backward`, a hook runs outside its node's range, and a
 #   `record_function` range is a `user_annotation`, whatever its name).
 MODEL_BACKWARD = re.compile(r"^\w+Backward\d+$")
+NOT_COMPUTE = " (not compute)"
+"""after the mark: a forward of the model's own leaf whose class or tables were changed, counted, not compute."""
 
 
 @contextlib.contextmanager
@@ -182,12 +184,14 @@ def marked_compute(model: torch.nn.Module, mark: str):
 
     def marked(cls, forward):
         def run(self, *args, **kwargs):
-            # Only the module as the model built it: its attribute tables plain dicts, so that reading
-            # self.weight in its forward runs nothing of the FSDP's.
-            if type(self) is not cls or id(self) not in mine or any(
-                    type(self.__dict__.get(table)) is not dict for table in ("_parameters", "_buffers", "_modules")):
+            if id(self) not in mine:
                 return forward(self, *args, **kwargs)
-            with torch.profiler.record_function(mark):
+            # Every call of the model's own leaf is counted; its ops are compute only while the module is as
+            # the model built it: its attribute tables plain dicts, so that reading self.weight in its forward
+            # runs nothing of the FSDP's.
+            plain_module = type(self) is cls and all(
+                type(self.__dict__.get(table)) is dict for table in ("_parameters", "_buffers", "_modules"))
+            with torch.profiler.record_function(mark if plain_module else mark + NOT_COMPUTE):
                 return forward(self, *args, **kwargs)
         return run
 
@@ -201,8 +205,8 @@ def marked_compute(model: torch.nn.Module, mark: str):
 
 
 def model_calls(t: Trace, mark: str) -> int:
-    """How many forwards of the model's leaf modules ran in the trace's profiled steps."""
-    return sum(1 for e in t.ranges if e.get("cat") == "user_annotation" and e["name"] == mark)
+    """How many forwards of the model's leaf modules ran in the trace's profiled steps, compute or not."""
+    return sum(1 for e in t.ranges if e.get("cat") == "user_annotation" and e["name"] in (mark, mark + NOT_COMPUTE))
 
 
 def compute_ops(on: list[dict], fsdp: list, c10d: list, mark: str | None) -> list[float]:
