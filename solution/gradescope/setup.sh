@@ -11,7 +11,9 @@ if ! command -v uv >/dev/null 2>&1; then
     || python3 -m pip install --quiet --break-system-packages uv 2>/dev/null \
     || curl -LsSf https://astral.sh/uv/install.sh | env UV_INSTALL_DIR=/usr/local/bin sh
 fi
-uv sync --frozen
+# Bytecode written now: every submission runs in a fresh copy of the image, where each process
+# (pytest, every rank) would otherwise compile torch's sources again (seconds each).
+uv sync --frozen --compile-bytecode
 uv run --frozen python -m harness.assets
 # The submission's rank processes run as this unprivileged user (harness/tools/grading/sandbox.py): they can
 # read the code and data, but not FSDP2's stored side and its secret, nor write the repository or

@@ -103,7 +103,7 @@ def test_student_repository_installs_tests_and_grades(student_repo):
     points. Only task 1's forward: the same test.py, conftest and harness give the reference all
     the points in this repository's own run of test.py, so all of it again here would prove nothing new."""
     share_store(student_repo)
-    sync = run([*uv(), "sync", "--frozen", "--quiet"], student_repo, timeout=900)
+    sync = run([*uv(), "sync", "--frozen", "--compile-bytecode", "--quiet"], student_repo, timeout=900)  # bytecode: see .ci/run
     assert sync.returncode == 0, show(sync)
     verbose = [str(student_repo / ".venv" / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider"]
     pytest_cmd = [*verbose, "-q"]

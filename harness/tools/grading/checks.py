@@ -22,7 +22,7 @@ from harness.tools.traces.analysis import RunStats, analyze_run
 from harness.tools.grading.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
                                    tensor_difference, ulps)
 from harness.tools.grading.jobs import Run, forward_job, memory_job, odd_shapes_job, shard_job, train_job
-from harness.tools.grading.policy import HSDP, LATE_BUFFERS, MODES, OVERLAP, PRECISIONS, as_fsdp2, config, describe, mode_flags
+from harness.tools.grading.policy import HSDP, HSDP_MEMORY_STEPS, LATE_BUFFERS, MODES, OVERLAP, PRECISIONS, as_fsdp2, config, describe, mode_flags
 from harness.tools.grading.ranks import RankError, RankPool, Ranks
 
 
@@ -346,7 +346,7 @@ def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduc
 
 def check_hsdp(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, folder, replicate: int = 2) -> str:
     """Bonus 4: HSDP on a (replicate, world/replicate) mesh, FSDP2's HSDP against effdl
-    (policy.HSDP: a 2-block Llama, to keep 4 ranks on a small machine quick): every loss, grad norm and
+    (policy.HSDP: a 2-block, dim-64 Llama, to keep 4 ranks on a small machine quick): every loss, grad norm and
     shard bit-identical, the collectives of each phase FSDP2's in count, dtype, bytes and process group
     (all-gathers and reduce-scatters within the shard group, the all-reduce across the replicate group);
     in the first precision case also, in a profiled run, tasks 2 and 3's overlap kept (FSDP2 on CPU
@@ -364,10 +364,11 @@ def check_hsdp(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, fold
             # Overlap and memory once, in the first precision case (4 ranks on a small machine are slow; the
             # schedule and the buffers a 2-D mesh adds do not depend on the dtypes, which tasks 2 and 3 grade).
             # The overlap from a profiled run of its own: the graded run's observers would show in its trace.
-            profiled = dataclasses.replace(cfg, num_steps=2, profile_steps=1)
+            profiled = dataclasses.replace(cfg, num_steps=2, profile_steps=1)  # step 1 initialises
             profiles = run_profiled(pool, profiled, folder, what)[0]
             overlap = [assert_overlap(profiles, which) for which in ("forward", "backward")]
-            check_memory(pool, impl, param_dtype, reduce_dtype, replicate=replicate, **HSDP)
+            check_memory(pool, impl, param_dtype, reduce_dtype, replicate=replicate,
+                         **{**HSDP, "num_steps": HSDP_MEMORY_STEPS})
     except (AssertionError, RankError) as e:
         first = str(e)
         hint = ("; the file does not support a 2-D mesh (HSDP): bonus 4 asks for it, the other lines do not"
