@@ -125,6 +125,13 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "                norm._parameters = _Table(table)\n"
         "            # region task2: forward prefetch\n"), (
         "def _register_group_forward_hooks(", "class _Table(dict):\n    pass\n\n\ndef _register_group_forward_hooks(")],
+    # Data sent beside the logged collectives: a broadcast in every group's forward (a collective FSDP2 never
+    # issues, which the collective log once did not record).
+    "side-channel-broadcast": [(
+        "            self.group.wait_for_unshard()\n            # region task2: forward prefetch\n",
+        "            self.group.wait_for_unshard()\n"
+        "            dist.broadcast(torch.zeros(1, device=self.group.device), src=0)\n"
+        "            # region task2: forward prefetch\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",

@@ -50,6 +50,12 @@ def test_parity_check_fails(mutant, request, name, world, precision, message):
         checks.check_step(pool, mutant(name), *precision)
 
 
+def test_collective_beside_the_logged_ones_fails(mutant, pool2):
+    """A collective FSDP2 does not issue (a broadcast in forward) is named, whatever it carries."""
+    with pytest.raises(AssertionError, match=r"issues collectives FSDP2 does not in forward \(broadcast\)"):
+        checks.check_forward(pool2, mutant("side-channel-broadcast"), "float32", "float32")
+
+
 def test_odd_shapes_check_fails(mutant, pool3):
     with pytest.raises(AssertionError, match="torch.chunk gives it"):
         checks.check_odd_shapes(pool3, mutant("tensor-split-rows"))

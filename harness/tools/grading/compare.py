@@ -67,8 +67,8 @@ def assert_same_parameters(ref: list[list[dict]], got: list[list[dict]], what: s
 
 
 def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str, by_group: bool = False) -> str:
-    """Per phase, the all-gathers and reduce-scatters (dtype and bytes of each) equal FSDP2's; by_group
-    (HSDP): also each one's process group, and the all-reduces of backward. At world size 1 (one Run)
+    """Per phase, every collective (kind, dtype and bytes of each: jobs.CommLog) equal FSDP2's, a kind
+    FSDP2 does not issue named first; by_group (HSDP): also each one's process group. At world size 1 (one Run)
     nothing is compared: FSDP2 exchanges nothing with itself, and an effdl that still issues
     its collectives there does no harm."""
     __tracebackhide__ = True
@@ -86,6 +86,12 @@ def assert_same_comm(ref: list[Run], got: list[Run], phase: str, what: str, by_g
                 f"{what}: rank {rank}'s {phase} collectives differ from FSDP2's in kind or process group: "
                 f"effdl sent {show(sb)}; FSDP2 sent {show(sa)}. HSDP: all-gathers and reduce-scatters "
                 "within the shard group (mesh dim 1), the all-reduce across the replicate group (mesh dim 0) (H12)")
+        if extra := sorted({k[0] for k in sb} - {k[0] for k in sa}):
+            raise AssertionError(
+                f"{what}: rank {rank} issues collectives FSDP2 does not in {phase} "
+                f"({', '.join(k.replace('_', '-') for k in extra)}): effdl sent {show(sb)}; FSDP2 sent {show(sa)}. "
+                "An FSDP moves parameters and gradients with all-gathers and reduce-scatters only (and HSDP's "
+                "all-reduce across replicas)")
         if sa != sb:
             wrong_dtype = {k[-2] for k in sb} - {k[-2] for k in sa}
             hint = (f" The wire carries {', '.join(sorted(wrong_dtype))} where FSDP2 sends "

@@ -67,9 +67,26 @@ _COLLECTIVES = {
     "all_gather_into_tensor": ("all_gather", 0), "all_gather_into_tensor_coalesced": ("all_gather", 0),
     "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
-    # Recorded in backward only: HSDP's replica all-reduce (the loss's and the grad norm's are the loop's).
     "allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0),
 }
+# Every other op of these namespaces moves data between ranks too (broadcast, all-to-all, send, gather,
+# a list all-gather, a coalesced all-reduce, a barrier, ...): each is logged under its own name with the
+# bytes of all its tensors, so nothing travels beside the logged collectives unseen (a program that
+# issues one FSDP2 does not differs from FSDP2 there). Waits move nothing: the collective was logged.
+_COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor", "symm_mem")
+_WAITS = ("wait_tensor", "wait")
+
+
+def _tensors(value):
+    """The tensors in an op's arguments (lists, tuples and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
 
 
 def group_ranks(func, args) -> tuple[int, ...] | None:
@@ -86,9 +103,9 @@ def group_ranks(func, args) -> tuple[int, ...] | None:
 
 
 class CommLog(TorchDispatchMode):
-    """Every all-gather and reduce-scatter a rank issues, and every all-reduce in backward (HSDP's):
-    (step, phase, kind, dtype, bytes) and the ranks of its process group, and whether FSDP2 issued it
-    (its ops or its source on the stack)."""
+    """Every collective a rank issues (all-gathers, reduce-scatters, all-reduces: HSDP's and the loop's,
+    and any other, under its op's name): (step, phase, kind, dtype, bytes) and the ranks of its
+    process group, and whether FSDP2 issued it (its ops or its source on the stack)."""
 
     def __init__(self):
         super().__init__()
@@ -102,16 +119,20 @@ class CommLog(TorchDispatchMode):
         ns, name = func.namespace, func.__name__.split(".")[0]
         if ns == "fsdp" and self.uses_fsdp2 is None:
             self.uses_fsdp2 = f"it runs FSDP2's op fsdp::{name}"
-        if ns in ("c10d", "_c10d_functional") and name in _COLLECTIVES:
-            kind, index = _COLLECTIVES[name]
-            tensors = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]
+        if ns in _COMM_NAMESPACES and name not in _WAITS:
+            if name in _COLLECTIVES:
+                kind, index = _COLLECTIVES[name]
+                tensors = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]
+                sent = [(t.dtype, t.numel() * t.element_size()) for t in tensors]
+            else:  # one event: the first tensor's dtype, the bytes of all its tensors
+                tensors = list(_tensors((args, kwargs)))
+                sent = [(tensors[0].dtype if tensors else None, sum(t.numel() * t.element_size() for t in tensors))]
+                kind = name.strip("_")
+            # outside backward: forward, and the loop's own all-reduces (the loss, the grad norm), FSDP2's too
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-            if kind == "all_reduce" and phase != "backward":
-                return func(*args, **kwargs)
             ranks = group_ranks(func, args)
-            for t in tensors:
-                self.events.append((self.step, phase, kind, str(t.dtype).removeprefix("torch."),
-                                    t.numel() * t.element_size()))
+            for dtype, nbytes in sent:
+                self.events.append((self.step, phase, kind, str(dtype).removeprefix("torch."), nbytes))
                 self.groups.append(ranks)
             if self.uses_fsdp2 is None:
                 self.uses_fsdp2 = handwritten.stack_problem()
