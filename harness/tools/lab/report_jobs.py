@@ -215,9 +215,10 @@ def _sync(device) -> None:
 
 def link_job(cfg: train.Config) -> dict[tuple[str, str], tuple[float, float]]:
     """This rank's collectives per step, by the link they run on: (link, kind) -> (count, bytes of the
-    tensor this rank puts in), mean over the steps. Recorded by the graded checks' CommLog (every
-    all-gather and reduce-scatter, and every all-reduce in backward: HSDP's replica all-reduce, not the
-    loss's or the grad norm's) with its process group's ranks: the shard group (this rank's row of the
+    tensor this rank puts in), mean over the steps. Recorded by the graded checks' CommLog, which logs
+    every collective: kept are the FSDP's, every all-gather and reduce-scatter and every all-reduce in
+    backward (HSDP's replica all-reduce, not the loop's for the loss and the grad norm), with its process
+    group's ranks: the shard group (this rank's row of the
     (replicate, world/replicate) mesh; the whole world on a 1-D mesh) is memory_model.SHARD_LINK, the
     replicate group (its column) REPLICATE_LINK, any other group its ranks."""
     import torch.distributed as dist
@@ -237,8 +238,9 @@ def link_job(cfg: train.Config) -> dict[tuple[str, str], tuple[float, float]]:
     row = tuple(range(rank // shard * shard, rank // shard * shard + shard))
     column = tuple(range(rank % shard, world, shard))
     out: dict[tuple[str, str], list[float]] = {}
-    for (step, _, kind, _, nbytes), ranks in zip(log.events, log.groups):
-        if 1 <= step <= cfg.num_steps:
+    for (step, phase, kind, _, nbytes), ranks in zip(log.events, log.groups):
+        fsdp = kind in ("all_gather", "reduce_scatter") or (kind == "all_reduce" and phase == "backward")
+        if fsdp and 1 <= step <= cfg.num_steps:
             link = SHARD_LINK if ranks == row else REPLICATE_LINK if ranks == column else f"ranks {ranks}"
             count = out.setdefault((link, kind), [0, 0])
             count[0] += 1
