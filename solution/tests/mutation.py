@@ -362,6 +362,13 @@ class FSDPModule:
 # The source check's allowlist (harness/tools/grading/handwritten.py) against doors a list of refused names
 # left open: each file is refused before any rank runs, with the words of SOURCE_REFUSALS[name].
 SOURCE_CHEATS: dict[str, str] = {
+    # torch's module globals (os, sys) through getattr with its arguments unpacked and a name built at run time.
+    'unpacked-getattr': 'import torch.distributed as dist\n\n_g = "_" * 2 + "globals" + "_" * 2\n'
+                        'g = getattr(*(dist.get_rank, _g))\nprint(g["os"].getcwd())\n\n\ndef getcwd():\n    return None\n',
+    # torch's module globals merged into the file's own through functools.update_wrapper's `updated`.
+    'update-wrapper-globals': 'import functools\n\nimport torch.distributed as dist\n\n_g = "_" * 2 + "globals" + "_" * 2\n\n\n'
+                              'def fully_shard(module):\n    return module\n\n\n'
+                              'functools.update_wrapper(fully_shard, dist.get_rank, assigned=(), updated=(_g,))\n',
     # A private torch function that unpickles, reached by defining its name as the file's own.
     'own-name-on-torch-module': 'import torch\n\n\nclass Shard:\n    def __init__(self):\n        self._load_from_bytes = None\n\n\npayload = b"cbuiltins\\nexec\\n(S\'import os; print(\\"pickle ran code, cwd:\\", os.getcwd())\'\\ntR."\ntry:\n    torch.storage._load_from_bytes(payload)\nexcept RuntimeError:\n    pass\n',
     # torch.Tensor.add_ replaced through a tensor's __class__.
@@ -580,6 +587,8 @@ SOURCE_REFUSALS: dict[str, str] = {
     'static-method-self': 'writes over `.add_`',
     'torch-class-to-own-function': 'passes `torch.Tensor`, torch\'s or Python\'s, to its own function install',
     'boxed-work': "its work handle's wait()",
+    'unpacked-getattr': "with its arguments unpacked",
+    'update-wrapper-globals': "@functools.wraps(f)",
 }
 CHEATS.update(SOURCE_CHEATS)
 

@@ -128,6 +128,8 @@ ADVICE = {
     **dict.fromkeys(("boxed", "unbox"),
                     "wait for a collective with its work handle's wait(), which the overlap check sees"),
     "get_device_module": _COMPUTED,
+    # Reads and writes attributes named by its arguments (assigned=, updated=), onto any object.
+    "update_wrapper": "decorate your own function with @functools.wraps(f)",
     **dict.fromkeys(("sleep", "block_current_stream", "get_future_result"),
                     "wait for a collective with its work handle's wait(), which the overlap check sees"),
     # A profiler of its own would read the names of the grader's ranges (harness/tools/traces/schedule.py).
@@ -168,6 +170,10 @@ FORBIDDEN_NAMES = set(ADVICE)
 # ALLOWED_IMPORTS gets "remove the import".
 _IMPORT_PARTS = set(_FSDP2_NAMES) | set(_HARNESS) | {"serialization", "cpp_extension"}
 # Builtins that evaluate, import, open or reach what the file did not write.
+# The builtins that read and write attributes by name: a file may only call them with its arguments
+# written out, and never rebinds them (impl.load gives the file setattr and delattr that refuse
+# torch's classes, modules and functions, which a name computed at run time could otherwise reach).
+ATTRIBUTE_BUILTINS = ("getattr", "hasattr", "setattr", "delattr")
 REFUSED_BUILTINS = {"eval", "exec", "compile", "globals", "locals", "vars", "__import__", "open", "input",
                     "breakpoint", "help", "exit", "quit", "__builtins__", "__loader__", "__spec__", "bytearray",
                     "memoryview"}
@@ -610,8 +616,27 @@ class _Check:
         value = node.value if value is None else value
         return isinstance(value, ast.Name) and value.id == me and not rebound
 
+    def rebinds(self, node: ast.AST, name: str) -> str:
+        return Outside(f"{self.where(node)} binds the name `{name}`, the builtin the check and the loader watch: "
+                       "name yours otherwise")
+
     def node_problem(self, node: ast.AST) -> str | None:
         where = self.where(node)
+        bound = node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.MatchAs,
+                                               ast.MatchStar)) else \
+            node.rest if isinstance(node, ast.MatchMapping) else node.arg if isinstance(node, ast.arg) else \
+            (node.asname or node.name) if isinstance(node, ast.alias) else None
+        if bound in ATTRIBUTE_BUILTINS:
+            return self.rebinds(node, bound)
+        if isinstance(node, (ast.Global, ast.Nonlocal)) and (names := set(node.names) & set(ATTRIBUTE_BUILTINS)):
+            return self.rebinds(node, sorted(names)[0])
+        # functools.wraps only as a decorator (call_problem): never handed on uncalled
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) \
+                and self.resolve(node) is functools.wraps:
+            parent = self.parents.get(id(node))
+            if not (isinstance(parent, ast.Call) and parent.func is node):
+                return Outside(f"{where} passes functools.wraps around: use it as `@functools.wraps(f)` on your "
+                               "own function")
         # torch's own functions and methods are never the file's to replace, under whatever alias it reached
         # them (a list item, a loop variable, a default argument, `type(t)`): no write to an attribute so named.
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) \
@@ -683,6 +708,8 @@ class _Check:
 
     def name_problem(self, node: ast.Name) -> str | None:
         where = self.where(node)
+        if node.id in ATTRIBUTE_BUILTINS and not isinstance(node.ctx, ast.Load):
+            return self.rebinds(node, node.id)
         if node.id in REFUSED_BUILTINS or node.id in _FSDP2_NAMES:
             return _refuse(f"{where} uses `{node.id}`", node.id)
         if _dunder(node.id) and node.id not in ALLOWED_DUNDERS:
@@ -713,7 +740,17 @@ class _Check:
                 or resolved is torch.autograd.grad or resolved is torch.autograd.backward:
             return Outside(f"{where} runs a backward of its own (`{ast.unparse(node.func)}`): an FSDP never "
                            "differentiates; the training loop's loss.backward() runs its hooks")
-        if func in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
+        if func in ATTRIBUTE_BUILTINS and (len(node.args) < 2 or node.keywords
+                                           or any(isinstance(a, ast.Starred) for a in node.args)):
+            return Outside(f"{where} calls {func} with its arguments unpacked or by keyword "
+                           f"(`{ast.unparse(node)}`): write them out, {func}(obj, \"name\"{', value' if func == 'setattr' else ''})")
+        if resolved is functools.wraps:
+            parent = self.parents.get(id(node))
+            if not (isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in parent.decorator_list) \
+                    or len(node.args) != 1 or node.keywords or isinstance(node.args[0], ast.Starred):
+                return Outside(f"{where} uses functools.wraps other than as `@functools.wraps(f)` on its own "
+                               "function: only so does it copy nothing but f's name and docstring onto that function")
+        if func in ATTRIBUTE_BUILTINS:
             key = node.args[1]
             if func in ("setattr", "delattr") and (problem := self.write_problem(node.args[0], f"calls {func} on")):
                 return problem
@@ -752,7 +789,14 @@ class _Check:
         # torch's or Python's classes handed to the file's own functions, where a computed-name setattr (the way a
         # module's parameter is swapped) could then write over their methods.
         if func in self.own_functions:
-            for arg in [*node.args, *(kw.value for kw in node.keywords)]:
+            given = [*node.args, *(kw.value for kw in node.keywords)]
+            for arg in list(given):  # a literal unpacked in place: its items are arguments too
+                inner = arg.value if isinstance(arg, ast.Starred) else arg
+                if isinstance(inner, (ast.List, ast.Tuple, ast.Set)):
+                    given += inner.elts
+                elif isinstance(inner, ast.Dict):
+                    given += inner.values
+            for arg in given:
                 if isinstance(self.resolve(arg), type) or isinstance(arg, ast.Name) and arg.id in self.foreign \
                         or isinstance(arg, ast.Call) and self.foreign_value(arg):
                     return Outside(f"{where} passes `{ast.unparse(arg)}`, torch's or Python's, to its own function "
