@@ -251,8 +251,22 @@ OUTSIDE = {
                                 "    def get(cls):\n        return cls.put\n", 6, "call methods on your instances"),
     "static_method_with_a_self": ("class P:\n    @staticmethod\n    def put(self, f):\n        self.add_ = f\n", 4,
                                   "writes over `.add_`"),
-    "setattr_named_like_torch": ("import torch\nfor T in (torch.Tensor,):\n    setattr(T, 'sum', print)\n", 3,
-                                 "writes over `.sum`"),
+    "setattr_named_like_torch": ("import torch\nfor T in (torch.Tensor,):\n    setattr(T, 'sum', print)\n", 2,
+                                 "passes the class torch.Tensor around"),
+    "class_in_a_list": ("import torch.distributed as dist\nL = [dist.Work]\n", 2, "passes the class"),
+    "class_as_argument": ("import torch\nfrom torch import nn\nnn.Module.set_submodule(torch.Tensor, 'x', None)\n", 3,
+                          "passes the class torch.Tensor around"),
+    "class_as_default": ("import torch\ndef f(t=torch.Tensor):\n    pass\n", 2, "passes the class"),
+    "metaclass_of_a_torch_class": ("import torch.distributed as dist\nclass M(type(dist.Work)):\n    pass\n", 2,
+                                   "derives M from"),
+    "dataclass_field_subclass": ("import dataclasses\nclass F(dataclasses.Field):\n    pass\n", 2, "derives F from"),
+    "dataclass_on_a_torch_class": ("import dataclasses\nimport torch\ndataclasses.dataclass(frozen=True)(torch.nn.Module)\n",
+                                   3, "other than as a decorator of its own class"),
+    "dataclass_not_as_decorator": ("import dataclasses\nclass A:\n    pass\nB = dataclasses.dataclass(A)\n", 4,
+                                   "other than as a decorator of its own class"),
+    "register_backend": ("import torch.distributed as dist\ndist.Backend.register_backend('wait', print)\n", 2,
+                         "`register_backend`"),
+    "operator_setitem": ("import operator\ndef f(d):\n    operator.setitem(d, 'cpu', 'x')\n", 3, "`setitem`"),
     "dunder_written_on_another_object": ("def f(o, g):\n    o.__exit__ = g\n", 2, "a hook Python calls on its own"),
     "torch_class_to_own_function": ("import torch\ndef put(o, n, v):\n    setattr(o, n, v)\n"
                                     "put(torch.profiler.profile, 'x', 1)\n", 4, "to its own function put"),
@@ -343,13 +357,19 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
     head = "import torch\nfrom torch import nn\n\n\ndef fully_shard(m):\n    return m\n\n\n" \
            "class MixedPrecisionPolicy:\n    pass\n\n\n"
     bent = tmp_path / "bent.py"
-    bent.write_text(head + "name = 'grader_' + 'marker'\nfor c in (nn.Module,):\n    setattr(c, name, 1)\n")
+    bent.write_text(head + "name = 'grader_' + 'marker'\nfor c in (nn.Linear(1, 1).__class__,):\n    setattr(c, name, 1)\n")
     assert handwritten.static_problem(bent) is None  # what the loader is for
     with pytest.raises(TypeError, match="never torch's or Python's classes, modules or functions"):
         impl.load(str(bent))
-    assert not hasattr(torch.nn.Module, "grader_marker")
+    assert not hasattr(torch.nn.Linear, "grader_marker")
+    stored = tmp_path / "stored.py"  # `obj.name = value` goes through the same guard (impl._GuardStores)
+    stored.write_text(head + "nn.Linear(1, 1).__class__.grader_marker = 1\n")
+    assert handwritten.static_problem(stored) is None
+    with pytest.raises(TypeError, match="never torch's or Python's classes"):
+        impl.load(str(stored))
+    assert not hasattr(torch.nn.Linear, "grader_marker")
     deleted = tmp_path / "deleted.py"
-    deleted.write_text(head + "name = 'add' + '_'\nfor c in (torch.Tensor,):\n    delattr(c, name)\n")
+    deleted.write_text(head + "name = 'add' + '_'\nfor c in (torch.zeros(1).__class__,):\n    delattr(c, name)\n")
     with pytest.raises(TypeError, match="never torch's or Python's classes"):
         impl.load(str(deleted))
     assert torch.Tensor.add_ is not None
@@ -357,5 +377,8 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
     honest.write_text(head + "class Mine:\n    pass\n\n\nm, mine = nn.Linear(2, 2), Mine()\n"
                              "for name in ('weight', 'extra'):\n    setattr(m, name, nn.Parameter(torch.zeros(2, 2)))\n"
                              "    setattr(mine, name, 1)\n")
+    honest.write_text(honest.read_text() + "mine.count = 1\nmine.count += 2\nm.weight.data += 1\n"
+                                           "mine.a, (mine.b, m.c) = 1, (2, 3)\ndel mine.a\n")
     module = impl.load(str(honest))
-    assert module.m.extra.shape == (2, 2) and module.mine.extra == 1
+    assert module.m.extra.shape == (2, 2) and module.mine.extra == 1 and module.mine.count == 3
+    assert (module.m.weight == 1).all() and module.mine.b == 2 and module.m.c == 3 and not hasattr(module.mine, "a")

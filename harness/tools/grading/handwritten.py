@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import abc
 import ast
+import builtins
+import dataclasses
 import enum
 import functools
 import importlib
@@ -25,6 +27,7 @@ import inspect
 import os
 import string
 import sys
+import typing
 import types
 import warnings
 from dataclasses import dataclass
@@ -128,6 +131,10 @@ ADVICE = {
     **dict.fromkeys(("boxed", "unbox"),
                     "wait for a collective with its work handle's wait(), which the overlap check sees"),
     "get_device_module": _COMPUTED,
+    # Changes torch's or Python's tables that outlive the file: its backends, an item of a container it did
+    # not make, the classes an enum is made from at run time, a generic's argument classes.
+    **dict.fromkeys(("register_backend", "setitem", "delitem", "EnumType", "EnumMeta", "get_args"),
+                    "an FSDP changes its own objects only; write x[k] = v on your own containers, enums as classes"),
     # Reads and writes attributes named by its arguments (assigned=, updated=), onto any object.
     "update_wrapper": "decorate your own function with @functools.wraps(f)",
     **dict.fromkeys(("sleep", "block_current_stream", "get_future_result"),
@@ -169,6 +176,12 @@ FORBIDDEN_NAMES = set(ADVICE)
 # Parts of an import's dotted name refused with their own advice; any other module outside
 # ALLOWED_IMPORTS gets "remove the import".
 _IMPORT_PARTS = set(_FSDP2_NAMES) | set(_HARNESS) | {"serialization", "cpp_extension"}
+# What a file's classes may derive from besides its own: object and the exceptions (builtins, by name),
+# enums, typing's generics, abc.ABC, and what FSDP builds on.
+_SAFE_BUILTIN_BASES = {n for n, v in vars(builtins).items()
+                       if isinstance(v, type) and (v is object or issubclass(v, BaseException))}
+ALLOWED_BASES = (abc.ABC, typing.Generic, typing.Protocol, typing.NamedTuple)
+SUBCLASSED_BASES = (torch.nn.Module, torch.autograd.Function, enum.Enum, BaseException)
 # Builtins that evaluate, import, open or reach what the file did not write.
 # The builtins that read and write attributes by name: a file may only call them with its arguments
 # written out, and never rebinds them (impl.load gives the file setattr and delattr that refuse
@@ -212,6 +225,11 @@ def _torch_callables() -> frozenset[str]:
 
 def _decorated(func: ast.FunctionDef | ast.AsyncFunctionDef, *names: str) -> bool:
     return any(isinstance(d, ast.Name) and d.id in names for d in func.decorator_list)
+
+
+def _mutable_class(value) -> bool:
+    """A class whose attributes can be written (Python's and pybind's; not a builtin like int or dict)."""
+    return isinstance(value, type) and not value.__flags__ & (1 << 8)  # Py_TPFLAGS_IMMUTABLETYPE
 
 
 def _dunder(name: str) -> bool:
@@ -616,6 +634,52 @@ class _Check:
         value = node.value if value is None else value
         return isinstance(value, ast.Name) and value.id == me and not rebound
 
+    def base_problem(self, node: ast.ClassDef, base: ast.expr) -> str | None:
+        """A class of the file derives from its own classes, or from what an FSDP builds on (ALLOWED_BASES):
+        a base of torch's or Python's otherwise brings methods that act on the file's attributes in ways the
+        check cannot see (a dataclasses.Field's name becomes code; a metaclass's methods get torch's classes as
+        self)."""
+        target = base.value if isinstance(base, ast.Subscript) else base  # Generic[T]
+        if isinstance(target, ast.Name) and target.id in self.own_classes:
+            return None
+        value = self.resolve(target)
+        if value is None and isinstance(target, ast.Name) and target.id in _SAFE_BUILTIN_BASES:
+            return None
+        if any(value is b for b in ALLOWED_BASES) or isinstance(value, type) and issubclass(value, SUBCLASSED_BASES):
+            return None
+        return Outside(f"{self.where(node)} derives {node.name} from `{ast.unparse(base)}`: a hand-written FSDP's classes "
+                       "derive from its own, object, an exception, enum.Enum, torch.nn.Module or "
+                       "torch.autograd.Function")
+
+    def class_in_place(self, node: ast.expr) -> bool:
+        """`node` (one of torch's or Python's classes) is used where it stands: called, an attribute read from
+        it, in isinstance/issubclass, a base, an except clause, a comparison, an annotation, a generic's
+        argument or a decorator; not stored, passed or put in a container under another name."""
+        holder, parent = node, self.parents.get(id(node))
+        if isinstance(parent, ast.Tuple):
+            holder, parent = parent, self.parents.get(id(parent))
+        if holder is node and (isinstance(parent, ast.Attribute) and parent.value is node
+                               or isinstance(parent, ast.Call) and parent.func is node):
+            return True
+        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and \
+                parent.func.id in ("isinstance", "issubclass") and parent.args[1:2] == [holder]:
+            return True
+        if isinstance(parent, ast.ClassDef) and holder in parent.bases or \
+                isinstance(parent, ast.ExceptHandler) and parent.type is holder or isinstance(parent, ast.Compare) or \
+                isinstance(parent, ast.Subscript) and parent.slice is holder or \
+                isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and holder in parent.decorator_list:
+            return True
+        child = node
+        while (parent := self.parents.get(id(child))) is not None:  # an annotation, however deep in it
+            if isinstance(parent, ast.arg) and parent.annotation is child or isinstance(parent, ast.AnnAssign) and \
+                    parent.annotation is child or isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    parent.returns is child:
+                return True
+            if isinstance(parent, ast.stmt):
+                return False
+            child = parent
+        return False
+
     def rebinds(self, node: ast.AST, name: str) -> str:
         return Outside(f"{self.where(node)} binds the name `{name}`, the builtin the check and the loader watch: "
                        "name yours otherwise")
@@ -630,6 +694,24 @@ class _Check:
             return self.rebinds(node, bound)
         if isinstance(node, (ast.Global, ast.Nonlocal)) and (names := set(node.names) & set(ATTRIBUTE_BUILTINS)):
             return self.rebinds(node, sorted(names)[0])
+        # torch's and Python's mutable classes (not int, dict, Exception...: their attributes cannot be written)
+        # only in place: under another name (a list item, a loop variable, an argument) the check cannot see
+        # what is written on them or done to them
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) and \
+                _mutable_class(cls := self.resolve(node)) and not self.class_in_place(node):
+            return Outside(f"{where} passes the class {cls.__module__}.{cls.__qualname__} around "
+                           f"(`{ast.unparse(self.parents.get(id(node)))}`): use torch's classes in place "
+                           "(isinstance(x, torch.Tensor), torch.Tensor(...), torch.Tensor.method), so the check can "
+                           "read what is done with them")
+        # dataclasses.dataclass only as a decorator of the file's own classes
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) \
+                and self.resolve(node) is dataclasses.dataclass:
+            parent = self.parents.get(id(node))
+            call = parent if isinstance(parent, ast.Call) and parent.func is node else None
+            if not ((call or node) in getattr(self.parents.get(id(call or node)), "decorator_list", ())
+                    and isinstance(self.parents.get(id(call or node)), ast.ClassDef)):
+                return Outside(f"{where} uses dataclasses.dataclass other than as a decorator of its own class "
+                               "(`@dataclass class Name: ...`): on another class it rewrites that class's methods")
         # functools.wraps only as a decorator (call_problem): never handed on uncalled
         if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) \
                 and self.resolve(node) is functools.wraps:
@@ -699,6 +781,9 @@ class _Check:
                 if kw.arg == "metaclass" and self.resolve(kw.value) is not abc.ABCMeta:
                     return Outside(f"{where} gives {node.name} a metaclass, code that runs whenever a class is made: "
                                    "a hand-written FSDP needs plain classes (abc.ABCMeta is allowed)")
+            for base in node.bases:
+                if problem := self.base_problem(node, base):
+                    return problem
             return None
         if isinstance(node, ast.MatchClass):  # `case C(attr=x)` reads x = subject.attr
             return next(filter(None, (self.attribute_problem(a, node) for a in node.kwd_attrs)), None)
