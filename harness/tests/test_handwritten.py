@@ -267,6 +267,20 @@ OUTSIDE = {
     "register_backend": ("import torch.distributed as dist\ndist.Backend.register_backend('wait', print)\n", 2,
                          "`register_backend`"),
     "operator_setitem": ("import operator\ndef f(d):\n    operator.setitem(d, 'cpu', 'x')\n", 3, "`setitem`"),
+    # enum's global_* write the members into the module the class's __module__ names (any module's globals).
+    "global_enum": ("import enum\n@enum.global_enum\nclass Q(enum.Enum):\n    a = 1\n", 2, "`global_enum`"),
+    "module_in_class_body": ("class Q:\n    __module__ = 'torch'\n", 2, "sets `__module__`"),
+    "module_written": ("def f():\n    pass\nf.__module__ = 'torch'\n", 3, "sets `__module__`"),
+    # Process-wide settings, registries and filters.
+    "grad_mode_set": ("import torch\ntorch.set_grad_enabled(False)\n", 2, "`with torch.no_grad():`"),
+    "default_dtype": ("import torch\ntorch.set_default_dtype(torch.float64)\n", 2, "no process-wide setting"),
+    "warnings_filter": ("import warnings\nwarnings.simplefilter('error')\n", 2, "no process-wide setting"),
+    "abc_register": ("import collections.abc\ndef f(t):\n    collections.abc.Mapping.register(type(t))\n", 3,
+                     "no process-wide setting"),
+    "context_entered_by_hand": ("import torch\ntorch.no_grad().__enter__()\n", 2, "with a `with`"),
+    "torch_container_changed": ("import torch.distributed as dist\ndist.Backend.backend_list.append('x')\n", 2,
+                                "which belongs to torch or Python"),
+    "warnings_filters_cleared": ("import warnings\nwarnings.filters.clear()\n", 2, "which belongs to torch or Python"),
     "dunder_written_on_another_object": ("def f(o, g):\n    o.__exit__ = g\n", 2, "a hook Python calls on its own"),
     "torch_class_to_own_function": ("import torch\ndef put(o, n, v):\n    setattr(o, n, v)\n"
                                     "put(torch.profiler.profile, 'x', 1)\n", 4, "to its own function put"),

@@ -362,6 +362,11 @@ class FSDPModule:
 # The source check's allowlist (harness/tools/grading/handwritten.py) against doors a list of refused names
 # left open: each file is refused before any rank runs, with the words of SOURCE_REFUSALS[name].
 SOURCE_CHEATS: dict[str, str] = {
+    # enum.global_enum writes an enum's members over the globals of the module its __module__ names: the
+    # harness's FSDP2 detectors replaced by members whose __call__ says "nothing found".
+    'global-enum-detectors': 'import enum\n\n\n@enum.global_enum\nclass Quiet(enum.Enum):\n'
+                             '    __module__ = "harness.tools.grading.handwritten"\n    stack_problem = 1\n'
+                             '    model_problem = 2\n\n    def __call__(self, *args, **kwargs):\n        return None\n',
     # torch's module globals (os, sys) through getattr with its arguments unpacked and a name built at run time.
     'unpacked-getattr': 'import torch.distributed as dist\n\n_g = "_" * 2 + "globals" + "_" * 2\n'
                         'g = getattr(*(dist.get_rank, _g))\nprint(g["os"].getcwd())\n\n\ndef getcwd():\n    return None\n',
@@ -589,6 +594,7 @@ SOURCE_REFUSALS: dict[str, str] = {
     'boxed-work': "its work handle's wait()",
     'unpacked-getattr': "with its arguments unpacked",
     'update-wrapper-globals': "@functools.wraps(f)",
+    'global-enum-detectors': "`global_enum`",
 }
 CHEATS.update(SOURCE_CHEATS)
 

@@ -135,6 +135,19 @@ ADVICE = {
     # not make, the classes an enum is made from at run time, a generic's argument classes.
     **dict.fromkeys(("register_backend", "setitem", "delitem", "EnumType", "EnumMeta", "get_args"),
                     "an FSDP changes its own objects only; write x[k] = v on your own containers, enums as classes"),
+    # enum's global_* copy a class's members into the module its __module__ names (any module: torch's, the
+    # harness's, builtins), replacing what is there.
+    **dict.fromkeys(("global_enum", "global_enum_repr", "global_str", "global_flag_repr"),
+                    "an enum stays in its class: write Name.member"),
+    # Process-wide settings the harness relies on for the same numbers as FSDP2 and for what it measures.
+    **dict.fromkeys(("set_default_dtype", "set_default_device", "set_default_tensor_type",
+                     "set_float32_matmul_precision", "use_deterministic_algorithms", "manual_seed",
+                     "set_num_threads", "set_num_interop_threads", "set_detect_anomaly", "set_stance",
+                     "set_grad_enabled", "reset_peak_memory_stats", "reset_max_memory_allocated",
+                     "reset_accumulated_memory_stats", "simplefilter", "filterwarnings", "resetwarnings",
+                     "allow_in_graph", "substitute_in_graph", "no_type_check", "register"),
+                    "an FSDP changes no process-wide setting, registry or filter (train.py sets them): use "
+                    "`with torch.no_grad():` where gradients must not be recorded"),
     # Reads and writes attributes named by its arguments (assigned=, updated=), onto any object.
     "update_wrapper": "decorate your own function with @functools.wraps(f)",
     **dict.fromkeys(("sleep", "block_current_stream", "get_future_result"),
@@ -225,6 +238,11 @@ def _torch_callables() -> frozenset[str]:
 
 def _decorated(func: ast.FunctionDef | ast.AsyncFunctionDef, *names: str) -> bool:
     return any(isinstance(d, ast.Name) and d.id in names for d in func.decorator_list)
+
+
+CONTAINER_MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
+                      "add", "discard", "sort", "reverse", "difference_update", "intersection_update",
+                      "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__", "__ior__"}
 
 
 def _mutable_class(value) -> bool:
@@ -680,12 +698,24 @@ class _Check:
             child = parent
         return False
 
+    def container_problem(self, node: ast.Call) -> str | None:
+        """A list, dict or set of torch's or Python's (reached by name) changed in place by its own methods."""
+        if isinstance(node.func, ast.Attribute) and node.func.attr in CONTAINER_MUTATORS and \
+                isinstance(self.resolve(node.func.value), (list, dict, set, bytearray)):
+            return Outside(f"{self.where(node)} changes `{ast.unparse(node.func.value)}`, which belongs to torch or "
+                           "Python: an FSDP changes its own containers only")
+        return None
+
     def rebinds(self, node: ast.AST, name: str) -> str:
         return Outside(f"{self.where(node)} binds the name `{name}`, the builtin the check and the loader watch: "
                        "name yours otherwise")
 
     def node_problem(self, node: ast.AST) -> str | None:
         where = self.where(node)
+        if isinstance(node, ast.Name) and node.id == "__module__" and not isinstance(node.ctx, ast.Load) or \
+                isinstance(node, ast.Attribute) and node.attr == "__module__" and not isinstance(node.ctx, ast.Load):
+            return Outside(f"{where} sets `__module__`: a class or function of the file belongs to the file "
+                           "(enum and others act on the module it names)")
         bound = node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.MatchAs,
                                                ast.MatchStar)) else \
             node.rest if isinstance(node, ast.MatchMapping) else node.arg if isinstance(node, ast.arg) else \
@@ -825,6 +855,12 @@ class _Check:
                 or resolved is torch.autograd.grad or resolved is torch.autograd.backward:
             return Outside(f"{where} runs a backward of its own (`{ast.unparse(node.func)}`): an FSDP never "
                            "differentiates; the training loop's loss.backward() runs its hooks")
+        if problem := self.container_problem(node):
+            return problem
+        if isinstance(node.func, ast.Attribute) and node.func.attr in ("__enter__", "__exit__"):
+            return Outside(f"{where} calls `{ast.unparse(node.func)}` itself: enter a context with a `with` "
+                           "statement, which also leaves it (a context entered and never left stays on for the "
+                           "whole process)")
         if func in ATTRIBUTE_BUILTINS and (len(node.args) < 2 or node.keywords
                                            or any(isinstance(a, ast.Starred) for a in node.args)):
             return Outside(f"{where} calls {func} with its arguments unpacked or by keyword "
