@@ -109,6 +109,9 @@ def _guarded(builtin, own: str):
         if isinstance(name, str) and len(name) > 4 and name[:2] == name[-2:] == "__" and name not in _WRITABLE_DUNDERS:
             raise TypeError(f"{call}: a file under test writes no {name} (a hook or a way to code); "
                             "write plain attributes")
+        if name == "__class__" and not isinstance(obj, torch.nn.Module):  # FSDP swaps a module's class only
+            raise TypeError(f"{call}: a file under test changes the class of modules only (an autograd ctx's "
+                            "class names its backward node)")
         if isinstance(obj, not_instances):
             if getattr(obj, "__module__", None) != own:
                 raise TypeError(f"{call}: a file under test changes only its own objects, never torch's or "

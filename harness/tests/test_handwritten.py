@@ -281,6 +281,11 @@ OUTSIDE = {
     "torch_container_changed": ("import torch.distributed as dist\ndist.Backend.backend_list.append('x')\n", 2,
                                 "which belongs to torch or Python"),
     "warnings_filters_cleared": ("import warnings\nwarnings.filters.clear()\n", 2, "which belongs to torch or Python"),
+    # A process group of its own, whose backend's collectives never reach the dispatcher (the collective log).
+    "own_gloo_backend": ("import torch.distributed as dist\ndef f(pg):\n    return dist.ProcessGroupGloo(pg.get_group_store(), 0, 1)\n",
+                         3, "the process group is set up before the FSDP runs"),
+    "own_process_group": ("import torch.distributed as dist\ndef f(s):\n    return dist.ProcessGroup(s, 0, 1)\n", 3,
+                          "makes a process group of its own"),
     "dunder_written_on_another_object": ("def f(o, g):\n    o.__exit__ = g\n", 2, "a hook Python calls on its own"),
     "torch_class_to_own_function": ("import torch\ndef put(o, n, v):\n    setattr(o, n, v)\n"
                                     "put(torch.profiler.profile, 'x', 1)\n", 4, "to its own function put"),
@@ -393,6 +398,14 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
                              "    setattr(mine, name, 1)\n")
     honest.write_text(honest.read_text() + "mine.count = 1\nmine.count += 2\nm.weight.data += 1\n"
                                            "mine.a, (mine.b, m.c) = 1, (2, 3)\ndel mine.a\n")
+    renamed = tmp_path / "renamed.py"  # an autograd ctx's class names its backward node in the profiler
+    renamed.write_text(head + "class F(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x):\n"
+                              "        ctx.__class__ = MixedPrecisionPolicy\n        return x * 2\n\n"
+                              "    @staticmethod\n    def backward(ctx, g):\n        return g\n\n\n"
+                              "def run(x):\n    return F.apply(x)\n")
+    assert handwritten.static_problem(renamed) is None
+    with pytest.raises(TypeError, match="changes the class of modules only"):
+        impl.load(str(renamed)).run(torch.ones(1, requires_grad=True))
     module = impl.load(str(honest))
     assert module.m.extra.shape == (2, 2) and module.mine.extra == 1 and module.mine.count == 3
     assert (module.m.weight == 1).all() and module.mine.b == 2 and module.m.c == 3 and not hasattr(module.mine, "a")

@@ -118,7 +118,9 @@ ADVICE = {
                      "CUDAPluggableAllocator", "change_current_allocator", "breakpoint"), _CODE),
     **dict.fromkeys(("globals", "locals", "vars", "_getframe", "currentframe", "gc", "ctypes", "inspect", "mro"),
                     _ARGS),
-    **dict.fromkeys(("init_process_group", "new_group", "rendezvous"),
+    **dict.fromkeys(("init_process_group", "new_group", "rendezvous", "ProcessGroupGloo", "ProcessGroupNCCL",
+                     "ProcessGroupMPI", "ProcessGroupUCC", "ProcessGroupXCCL", "FakeProcessGroup",
+                     "ProcessGroupWrapper", "get_group_store", "Store"),
                     "the process group is set up before the FSDP runs (a store is a file or a socket): use the "
                     "mesh fully_shard is given, or DeviceMesh over its ranks"),
     **dict.fromkeys(("open", "subprocess", "serialization", "_open_file", "_open_zipfile_reader",
@@ -857,6 +859,9 @@ class _Check:
                            "differentiates; the training loop's loss.backward() runs its hooks")
         if problem := self.container_problem(node):
             return problem
+        if isinstance(resolved, type) and issubclass(resolved, (torch.distributed.ProcessGroup, torch.distributed.Backend)):
+            return Outside(f"{where} makes a process group of its own (`{ast.unparse(node.func)}`), whose collectives "
+                           "the grader does not see: use the mesh fully_shard is given")
         if isinstance(node.func, ast.Attribute) and node.func.attr in ("__enter__", "__exit__"):
             return Outside(f"{where} calls `{ast.unparse(node.func)}` itself: enter a context with a `with` "
                            "statement, which also leaves it (a context entered and never left stays on for the "
