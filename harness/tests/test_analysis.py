@@ -304,6 +304,27 @@ def schedule_trace(wait_at_once: bool = False, blocking_issue: bool = False, red
     ]}
 
 
+def tagged(trace: dict, asked: bool) -> dict:
+    """schedule_trace with marked_waits' tags: each collective's own Work tagged after its issue and, when
+    asked, where the FSDP's wait range asks for it; else no Work method ever asks (a program that learnt the
+    result was there another way, polling the output's contents)."""
+    a = lambda name, ts: x(name, ts, 0, cat="user_annotation")
+    issued = [(24.5, 0), (33.5, 1), (68.5, 2), (408.5, 3), (449.5, 4)]
+    waits = [(26.5, schedule.FOUND_DONE, 0), (101.5, schedule.WAITED, 2), (61.5, schedule.WAITED, 1),
+             (441.5, schedule.WAITED, 3), (452.5, schedule.WAITED, 4)]
+    return {"traceEvents": trace["traceEvents"] + [a(f"{schedule.ISSUED}{w}", ts) for ts, w in issued] +
+            ([a(f"{what}{w}", ts) for ts, what, w in waits] if asked else [])}
+
+
+def test_a_collective_never_asked_for_was_waited_for_at_once():
+    """A Work that no Work method asked for while it ran (its issue tagged, no wait tagged before that address is
+    issued again) was waited for where it was issued: the program learnt it was done another way, so an empty wait
+    range after compute proves nothing."""
+    for kind, phase, groups in (("all_gather", "forward", ["layers.0", "layers.1"]), ("reduce_scatter", "backward", ["layers.1"])):
+        assert overlapped(tagged(schedule_trace(), asked=True), kind, phase) == groups
+        assert overlapped(tagged(schedule_trace(), asked=False), kind, phase) == []
+
+
 def overlapped(trace: dict, kind: str, phase: str) -> list[str]:
     return [s.group for s in schedule.must_overlap([s for s in schedule.schedule(trace) if (s.kind, s.phase) == (kind, phase)])
             if s.overlapped]
@@ -345,6 +366,9 @@ def test_marked_waits_puts_work_wait_back():
     with pytest.raises(RuntimeError, match="training failed"), schedule.marked_waits():
         assert all(getattr(dist.Work, name) is not plain[name] for name in names) and dist.barrier is not barrier
         assert all(getattr(dist.ProcessGroup, name) is not issuing[name] for name in issuing)
+        # named as what they stand in for: a program cannot tell from a name that it runs under the marks
+        assert [getattr(dist.Work, n).__qualname__ for n in names] == [plain[n].__qualname__ for n in names]
+        assert dist.barrier.__qualname__ == barrier.__qualname__
         raise RuntimeError("training failed")
     assert {name: getattr(dist.Work, name) for name in names} == plain and dist.barrier is barrier
     assert {name: getattr(dist.ProcessGroup, name) for name in issuing} == issuing
@@ -392,3 +416,24 @@ def test_marked_compute_counts_only_the_models(tmp_path):
     assert "aten::add_" not in counted and "aten::zeros" not in counted, counted
     unmarked = [by_ts[t] for t in schedule.compute_ops(on, [], [], None)]
     assert "aten::add_" in unmarked  # what a student's own trace counts
+
+
+def test_every_collective_op_of_a_profiled_run_is_compared(tmp_path):
+    """Beside the all-gathers and reduce-scatters the schedule reads, every collective op the dispatcher ran in
+    the profiled steps is counted (a functional collective, a broadcast; not a wait), and the graded check
+    compares the whole with FSDP2's: data sent another way beside decoy collectives differs."""
+    from harness.tools.grading import checks
+
+    plain = schedule_trace()
+    extra = {"traceEvents": plain["traceEvents"] + [
+        x("_c10d_functional::all_gather_into_tensor", 40, 1), x("_c10d_functional::wait_tensor", 42, 1),
+        x("c10d::broadcast_", 44, 1)]}
+    for name, trace in (("fsdp2", plain), ("effdl", extra)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0.json").write_text(json.dumps(trace))
+    fsdp2, effdl = (analysis.analyze_run(tmp_path / name) for name in ("fsdp2", "effdl"))
+    assert effdl.c10d_calls == {**fsdp2.c10d_calls, "_c10d_functional::all_gather_into_tensor": 1, "c10d::broadcast_": 1}
+    checks.assert_same_collectives(checks.Profiles("same", fsdp2, fsdp2))
+    with pytest.raises(AssertionError, match=r"collective ops differ from FSDP2's \(_c10d_functional::all_gather_into_tensor: "
+                                             r"effdl 1, FSDP2 0, c10d::broadcast_: effdl 1, FSDP2 0\)"):
+        checks.assert_same_collectives(checks.Profiles("decoys", fsdp2, effdl))

@@ -257,8 +257,16 @@ def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory
 
 
 def assert_same_collectives(p: Profiles, promise: str = "") -> None:
-    """The same number of all-gathers and reduce-scatters as FSDP2, phase by phase."""
+    """The same number of all-gathers and reduce-scatters as FSDP2, phase by phase, and the same
+    collective ops as FSDP2's over the profiled steps (a decoy beside data sent another way differs)."""
     __tracebackhide__ = True
+    if p.fsdp2.c10d_calls != p.effdl.c10d_calls:
+        a, b = p.fsdp2.c10d_calls, p.effdl.c10d_calls
+        diff = ", ".join(f"{k}: effdl {b.get(k, 0)}, FSDP2 {a.get(k, 0)}" for k in sorted(set(a) | set(b))
+                         if a.get(k, 0) != b.get(k, 0))
+        raise AssertionError(f"{p.what}: the profiled steps' collective ops differ from FSDP2's ({diff}): an FSDP "
+                             "issues FSDP2's all-gathers and reduce-scatters through torch.distributed's "
+                             "collectives, one per group and pass, and nothing else")
     for kind in ("all_gather", "reduce_scatter"):
         a, b = p.fsdp2.comm.kind(kind).count_by_phase, p.effdl.comm.kind(kind).count_by_phase
         if a != b:

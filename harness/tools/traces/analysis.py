@@ -48,6 +48,8 @@ class RunStats:
     """every FSDP group's collective of every rank (see `schedule`)."""
     model_calls: int | None = None
     """forwards of the model's leaf modules over every rank's profiled steps (schedule.model_calls), when marked."""
+    c10d_calls: dict[str, int] = field(default_factory=dict)
+    """collective op -> how many times the dispatcher ran it, over every rank's profiled steps (Trace.c10d_calls)."""
 
     def overlap(self, kind: str, phase: str) -> tuple[int, int, list[Scheduled]]:
         """(overlapped, that could be, the ones that could be and were not) for one kind and phase."""
@@ -81,9 +83,11 @@ def without_cycle_collection():
 
 
 def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) -> RunStats:
-    steps, memories, scheduled, calls = [], [], [], 0
+    steps, memories, scheduled, calls, c10d = [], [], [], 0, {}
     for path in rank_files(traces, ".json"):
         t = Trace(path)
+        for name, n in t.c10d_calls.items():
+            c10d[name] = c10d.get(name, 0) + n
         steps += analyze_trace(t)
         scheduled += schedule(t, mark)
         calls += model_calls(t, mark) if mark is not None else 0
@@ -101,7 +105,7 @@ def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) 
             raise ValueError(f"{path} was profiled with --no-profile-memory, so no snapshot in {snapshots} is "
                              "from its run: profile again without that flag, or analyse the traces alone")
     return RunStats(mean(steps), MemoryStats.worst(memories) if memories else None, steps, memories, scheduled,
-                    calls if mark is not None else None)
+                    calls if mark is not None else None, c10d)
 
 
 # --------------------------------------------------------------------------- CLI
