@@ -184,6 +184,7 @@ class Probes:
         self.gathered: dict[str, list[weakref.ref]] = {}
         self.grads: dict[str, list[weakref.ref]] = {}
         self._hooked: set[int] = set()
+        self._sharded_at_forward: set[str] = set()
         for name, block in model.layers.named_children():
             self._probe(f"layers.{name}", block, reshard_after_forward)
 
@@ -196,6 +197,12 @@ class Probes:
         # the post-hook after FSDP's post-forward.
         def pre(module, args):
             full = [p for p in module.parameters() if not isinstance(p, DTensor)]
+            if not full and any(True for _ in module.parameters()) and name not in self._sharded_at_forward:
+                # FSDP2 gathers a block's parameters in its pre-forward; gathered inside its layers instead,
+                # they would never be seen here, nor their freeing checked
+                self._sharded_at_forward.add(name)
+                self.problems.append(f"{name}: its parameters were still DTensors when its forward began: gather a "
+                                     "block's parameters in its pre-forward hook, before any of its layers runs")
             self.gathered[name] = [weakref.ref(p) for p in full]
             for p in full:
                 if p.requires_grad and id(p) not in self._hooked:
