@@ -266,3 +266,41 @@ def test_a_range_name_json_cannot_hold_is_refused(tmp_path, name):
         with make_profiler(tmp_path, active=1, skip=0, memory=False) as prof:
             train(prof, steps=1, extra=labelled)
     assert not prof.trace_path.exists()
+
+
+def test_probes_see_a_block_whose_parameters_are_gathered_inside_its_layers():
+    """Probes (the graded step's check that gathered parameters are freed) see a block's gathered parameters at its
+    pre-forward, as FSDP2 gathers them: a block still holding DTensors there (gathered inside its layers, where
+    the probe would never see them nor their freeing) is named; one gathered at its pre-forward is not."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from harness.tools.grading.jobs import Probes
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def model():
+            m = nn.Module()
+            m.layers = nn.ModuleList([nn.Linear(4, 4)])
+            for name in ("weight", "bias"):
+                p = getattr(m.layers[0], name)
+                m.layers[0].register_parameter(name, nn.Parameter(DTensor.from_local(p.detach(), mesh, [Shard(0)])))
+            return m
+
+        def gather(module, args):  # a block's pre-forward, as FSDP's: plain tensors while it runs
+            for name in ("weight", "bias"):
+                module._parameters[name] = nn.Parameter(module._parameters[name].full_tensor())
+
+        late, early = model(), model()
+        early.layers[0].register_forward_pre_hook(gather)  # registered before the probe, as FSDP's is
+        probes = {m: Probes(m, reshard_after_forward=False) for m in (late, early)}
+        late.layers[0].linear_hook = late.layers[0].register_forward_pre_hook(gather)  # inside: after the probe
+        for m in (late, early):
+            m.layers[0](torch.ones(2, 4))
+        assert any("still DTensors when its forward began" in p for p in probes[late].problems), probes[late].problems
+        assert not probes[early].problems, probes[early].problems
+    finally:
+        dist.destroy_process_group()
