@@ -282,6 +282,15 @@ OUTSIDE = {
                                 "which belongs to torch or Python"),
     "warnings_filters_cleared": ("import warnings\nwarnings.filters.clear()\n", 2, "which belongs to torch or Python"),
     # A process group of its own, whose backend's collectives never reach the dispatcher (the collective log).
+    "dispatch_key_excluded": ("import torch\ndef f():\n    return torch.ExcludeDispatchKeyGuard(torch.DispatchKeySet(torch.DispatchKey.Python))\n",
+                              3, "dispatch keys are not its to change"),
+    "torch_dict_alias_written": ("import torch.distributed as dist\nM = dist.Backend.default_device_backend_map\nM['cpu'] = 'nccl'\n",
+                                 2, "around: read it in place"),
+    "optimizer_hook_everywhere": ("import torch\ndef f(h):\n    torch.profiler.register_optimizer_step_post_hook(h)\n", 3,
+                                  "no process-wide setting"),
+    "torch_dict_as_default": ("import torch.distributed as dist\ndef f(m=dist.Backend.default_device_backend_map):\n"
+                              "    m['cpu'] = 'nccl'\n", 2, "around: read it in place"),
+    "autocast_set": ("import torch\ntorch.set_autocast_cpu_enabled(True)\n", 2, "no process-wide setting"),
     "own_gloo_backend": ("import torch.distributed as dist\ndef f(pg):\n    return dist.ProcessGroupGloo(pg.get_group_store(), 0, 1)\n",
                          3, "the process group is set up before the FSDP runs"),
     "own_process_group": ("import torch.distributed as dist\ndef f(s):\n    return dist.ProcessGroup(s, 0, 1)\n", 3,

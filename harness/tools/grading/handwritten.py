@@ -147,9 +147,20 @@ ADVICE = {
                      "set_num_threads", "set_num_interop_threads", "set_detect_anomaly", "set_stance",
                      "set_grad_enabled", "reset_peak_memory_stats", "reset_max_memory_allocated",
                      "reset_accumulated_memory_stats", "simplefilter", "filterwarnings", "resetwarnings",
-                     "allow_in_graph", "substitute_in_graph", "no_type_check", "register"),
+                     "allow_in_graph", "substitute_in_graph", "no_type_check", "register", "set_anomaly_enabled",
+                     "set_autocast_cpu_dtype", "set_autocast_cpu_enabled", "set_autocast_enabled", "set_autocast_dtype",
+                     "set_autocast_gpu_dtype", "set_autocast_cache_enabled", "set_debug_level",
+                     "set_debug_level_from_env", "set_rng_state", "set_flush_denormal", "set_warn_always",
+                     "register_optimizer_step_post_hook", "register_rendezvous_handler", "caching_allocator_enable",
+                     "set_per_process_memory_fraction", "skip_guard_on_globals_unsafe", "set_enable_guard_collectives",
+                     "set_multithreading_enabled", "set_stream", "erase_step_count", "increment_step",
+                     "set_sync_debug_mode", "set_warn_on_accumulate_grad_stream_mismatch"),
                     "an FSDP changes no process-wide setting, registry or filter (train.py sets them): use "
                     "`with torch.no_grad():` where gradients must not be recorded"),
+    # Ops hidden from the dispatcher's Python modes, where the collective log and its FSDP2 check run.
+    **dict.fromkeys(("ExcludeDispatchKeyGuard", "DispatchKeySet", "DispatchKey", "DisableTorchFunction",
+                     "DisableTorchFunctionSubclass"),
+                    "an FSDP runs its ops as anyone does: torch's dispatch keys are not its to change"),
     # Reads and writes attributes named by its arguments (assigned=, updated=), onto any object.
     "update_wrapper": "decorate your own function with @functools.wraps(f)",
     **dict.fromkeys(("sleep", "block_current_stream", "get_future_result"),
@@ -242,6 +253,8 @@ def _decorated(func: ast.FunctionDef | ast.AsyncFunctionDef, *names: str) -> boo
     return any(isinstance(d, ast.Name) and d.id in names for d in func.decorator_list)
 
 
+READING_BUILTINS = {"len", "sorted", "list", "dict", "set", "tuple", "frozenset", "iter", "enumerate", "any", "all", "sum",
+                    "min", "max", "zip", "reversed", "repr", "str", "print", "bool", "isinstance"}
 CONTAINER_MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
                       "add", "discard", "sort", "reverse", "difference_update", "intersection_update",
                       "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__", "__ior__"}
@@ -495,7 +508,8 @@ class _Check:
         if isinstance(root, ast.Name) and root.id in self.foreign:
             return True
         value = self.resolve(node)
-        return isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)) \
+        return isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, list, dict,
+                                  set, bytearray)) \
             or (value is None and isinstance(root, ast.Name) and root.id in self.imported)
 
     def write_problem(self, target: ast.AST, what: str) -> str | None:
@@ -735,6 +749,18 @@ class _Check:
                            f"(`{ast.unparse(self.parents.get(id(node)))}`): use torch's classes in place "
                            "(isinstance(x, torch.Tensor), torch.Tensor(...), torch.Tensor.method), so the check can "
                            "read what is done with them")
+        # torch's and Python's containers (a list, a dict, a set reached by name) only read in place: under another
+        # name (a variable, a default argument, an argument) the check cannot see what is written into them
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) and \
+                isinstance(self.resolve(node), (list, dict, set, bytearray)):
+            parent = self.parents.get(id(node))
+            read = isinstance(parent, ast.Attribute) and parent.value is node or \
+                isinstance(parent, ast.Subscript) and parent.value is node or isinstance(parent, ast.Compare) or \
+                isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node or \
+                isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id in READING_BUILTINS
+            if not read:
+                return Outside(f"{where} passes `{ast.unparse(node)}`, which belongs to torch or Python, around: read it "
+                               "in place (len(x), x[k], for v in x); an FSDP changes its own containers only")
         # dataclasses.dataclass only as a decorator of the file's own classes
         if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) \
                 and self.resolve(node) is dataclasses.dataclass:
