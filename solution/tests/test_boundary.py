@@ -306,14 +306,15 @@ def test_forged_rank_result_is_refused(boundary_mutant):
 
 
 def test_detectors_switched_off_stay_on_in_the_grader(boundary_mutant):
-    """Switched off inside its ranks, the runtime detectors still run in the grader's own processes;
-    what the file's ranks report about themselves is theirs to forge, so the verdict on FSDP2 rests on
-    the source check (which refuses this file) and on the trusted side computing FSDP2's numbers."""
+    """Run past the source check (which refuses this file), the detectors' switch-off is refused inside the
+    file's ranks too: the loader's guard (harness/impl.py) writes nothing onto the harness's modules. And the
+    grader's own processes never saw it: what the file's ranks report about themselves is theirs to forge,
+    so the verdict on FSDP2 rests on the source check, the loader and the trusted side computing FSDP2's numbers."""
     path = boundary_mutant("detectors-off-fsdp2")
     assert handwritten.static_problem(Path(path)) is not None
     originals = (handwritten.model_problem, handwritten.stack_problem, jobs.CommLog.__torch_dispatch__)
     before = digest_tree(*protected())
-    with Ranks(2) as ranks:
+    with Ranks(2) as ranks, pytest.raises(RankError, match="changes only its own objects"):
         checks.run(ranks, jobs.forward_job, policy.config(path))
     assert (handwritten.model_problem, handwritten.stack_problem, jobs.CommLog.__torch_dispatch__) == originals
     assert digest_tree(*protected()) == before
