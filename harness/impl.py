@@ -67,9 +67,9 @@ def load(impl: str) -> ModuleType:
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        guards = {"setattr": _guarded(setattr, name), "delattr": _guarded(delattr, name)}
-        module.__dict__.update(guards, **{_STORE: guards["setattr"], _DELETE: guards["delattr"],
-                                          "__effdl_operator__": operator})
+        store, delete = _guarded(setattr, name), _guarded(delattr, name)
+        module.__dict__.update(setattr=store, delattr=delete, **{_STORE: store, _DELETE: delete,
+                                                                 "__effdl_operator__": operator})
         sys.modules[name] = module
         try:
             exec(_guarded_code(path), module.__dict__)
@@ -97,31 +97,33 @@ _WRITABLE_DUNDERS = frozenset({"__class__", "__doc__", "__name__", "__qualname__
 def _guarded(builtin, own: str):
     import types
 
+    import torch
+
+    instances = (torch.Tensor, torch.nn.Module, torch.autograd.function.FunctionCtx)
     not_instances = (type, ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                      types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
                      types.ClassMethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType,
                      property, staticmethod, classmethod)
 
-    def guarded(obj, name, *value):
-        import torch
+    def refused(obj, name, why: str) -> TypeError:  # the call as the file wrote it, only when refused
+        shown = obj if isinstance(obj, not_instances) else type(obj).__name__
+        return TypeError(f"{builtin.__name__}({shown!r}, {name!r}, ...): {why}")
 
-        call = f"{builtin.__name__}({type(obj).__name__ if not isinstance(obj, not_instances) else obj!r}, {name!r}, ...)"
+    def guarded(obj, name, *value):  # every attribute write of the file: only checks here, nothing built
         if isinstance(name, str) and len(name) > 4 and name[:2] == name[-2:] == "__" and name not in _WRITABLE_DUNDERS:
-            raise TypeError(f"{call}: a file under test writes no {name} (a hook or a way to code); "
-                            "write plain attributes")
+            raise refused(obj, name, f"a file under test writes no {name} (a hook or a way to code); write plain "
+                          "attributes")
         if name == "__class__" and not isinstance(obj, torch.nn.Module):  # FSDP swaps a module's class only
-            raise TypeError(f"{call}: a file under test changes the class of modules only (an autograd ctx's "
-                            "class names its backward node)")
+            raise refused(obj, name, "a file under test changes the class of modules only (an autograd ctx's class "
+                          "names its backward node)")
         if isinstance(obj, not_instances):
             if getattr(obj, "__module__", None) != own:
-                raise TypeError(f"{call}: a file under test changes only its own objects, never torch's or "
-                                "Python's classes, modules or functions (that would change them for the whole "
-                                "process); set attributes on instances: your objects, modules, tensors")
-        elif not (type(obj).__module__ in (own, "builtins", "types")
-                  or isinstance(obj, (torch.Tensor, torch.nn.Module, torch.autograd.function.FunctionCtx))):
-            raise TypeError(f"{call}: a file under test sets attributes by a computed name only on its own "
-                            "objects, modules and tensors, not on an instance of "
-                            f"{type(obj).__module__}.{type(obj).__qualname__}")
+                raise refused(obj, name, "a file under test changes only its own objects, never torch's or Python's "
+                              "classes, modules or functions (that would change them for the whole process); set "
+                              "attributes on instances: your objects, modules, tensors")
+        elif not (type(obj).__module__ in (own, "builtins", "types") or isinstance(obj, instances)):
+            raise refused(obj, name, "a file under test sets attributes by a computed name only on its own objects, "
+                          f"modules and tensors, not on an instance of {type(obj).__module__}.{type(obj).__qualname__}")
         return builtin(obj, name, *value)
 
     guarded.__name__ = guarded.__qualname__ = builtin.__name__

@@ -260,6 +260,19 @@ CONTAINER_MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", 
                       "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__", "__ior__"}
 
 
+# What a file may use only as a decorator of its own function or class, since anywhere else it copies or
+# rewrites the attributes of whatever it is handed: (its name, what it may decorate, whether it takes exactly
+# one argument, why).
+DECORATORS_ONLY = {
+    functools.wraps: ("functools.wraps", (ast.FunctionDef, ast.AsyncFunctionDef), True,
+                      "other than as `@functools.wraps(f)` on its own function: only so does it copy nothing but "
+                      "f's name and docstring onto that function"),
+    dataclasses.dataclass: ("dataclasses.dataclass", (ast.ClassDef,), False,
+                            "other than as a decorator of its own class (`@dataclass class Name: ...`): on another "
+                            "class it rewrites that class's methods"),
+}
+
+
 def _mutable_class(value) -> bool:
     """A class whose attributes can be written (Python's and pybind's; not a builtin like int or dict)."""
     return isinstance(value, type) and not value.__flags__ & (1 << 8)  # Py_TPFLAGS_IMMUTABLETYPE
@@ -722,6 +735,21 @@ class _Check:
                            "Python: an FSDP changes its own containers only")
         return None
 
+    def decorator_problem(self, node: ast.expr, value) -> str | None:
+        """`node` (one of DECORATORS_ONLY) is used as a decorator of the file's own function or class, and
+        nothing else."""
+        name, defs, one_argument, advice = DECORATORS_ONLY[value]
+        parent = self.parents.get(id(node))
+        call = parent if isinstance(parent, ast.Call) and parent.func is node else None
+        if one_argument and call is None:
+            return Outside(f"{self.where(node)} passes {name} around: use it as `@{name}(f)` on your own function")
+        decorator = call or node
+        owner = self.parents.get(id(decorator))
+        if not (isinstance(owner, defs) and decorator in owner.decorator_list) or one_argument and (
+                len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred)):
+            return Outside(f"{self.where(node)} uses {name} {advice}")
+        return None
+
     def rebinds(self, node: ast.AST, name: str) -> str:
         return Outside(f"{self.where(node)} binds the name `{name}`, the builtin the check and the loader watch: "
                        "name yours otherwise")
@@ -740,19 +768,21 @@ class _Check:
             return self.rebinds(node, bound)
         if isinstance(node, (ast.Global, ast.Nonlocal)) and (names := set(node.names) & set(ATTRIBUTE_BUILTINS)):
             return self.rebinds(node, sorted(names)[0])
+        # What a name or attribute chain read here is (resolved once for the rules below; None if not torch's or
+        # Python's).
+        value = self.resolve(node) if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) \
+            else None
         # torch's and Python's mutable classes (not int, dict, Exception...: their attributes cannot be written)
         # only in place: under another name (a list item, a loop variable, an argument) the check cannot see
         # what is written on them or done to them
-        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) and \
-                _mutable_class(cls := self.resolve(node)) and not self.class_in_place(node):
-            return Outside(f"{where} passes the class {cls.__module__}.{cls.__qualname__} around "
+        if _mutable_class(value) and not self.class_in_place(node):
+            return Outside(f"{where} passes the class {value.__module__}.{value.__qualname__} around "
                            f"(`{ast.unparse(self.parents.get(id(node)))}`): use torch's classes in place "
                            "(isinstance(x, torch.Tensor), torch.Tensor(...), torch.Tensor.method), so the check can "
                            "read what is done with them")
         # torch's and Python's containers (a list, a dict, a set reached by name) only read in place: under another
         # name (a variable, a default argument, an argument) the check cannot see what is written into them
-        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) and \
-                isinstance(self.resolve(node), (list, dict, set, bytearray)):
+        if isinstance(value, (list, dict, set, bytearray)):
             parent = self.parents.get(id(node))
             read = isinstance(parent, ast.Attribute) and parent.value is node or \
                 isinstance(parent, ast.Subscript) and parent.value is node or isinstance(parent, ast.Compare) or \
@@ -761,22 +791,8 @@ class _Check:
             if not read:
                 return Outside(f"{where} passes `{ast.unparse(node)}`, which belongs to torch or Python, around: read it "
                                "in place (len(x), x[k], for v in x); an FSDP changes its own containers only")
-        # dataclasses.dataclass only as a decorator of the file's own classes
-        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) \
-                and self.resolve(node) is dataclasses.dataclass:
-            parent = self.parents.get(id(node))
-            call = parent if isinstance(parent, ast.Call) and parent.func is node else None
-            if not ((call or node) in getattr(self.parents.get(id(call or node)), "decorator_list", ())
-                    and isinstance(self.parents.get(id(call or node)), ast.ClassDef)):
-                return Outside(f"{where} uses dataclasses.dataclass other than as a decorator of its own class "
-                               "(`@dataclass class Name: ...`): on another class it rewrites that class's methods")
-        # functools.wraps only as a decorator (call_problem): never handed on uncalled
-        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) \
-                and self.resolve(node) is functools.wraps:
-            parent = self.parents.get(id(node))
-            if not (isinstance(parent, ast.Call) and parent.func is node):
-                return Outside(f"{where} passes functools.wraps around: use it as `@functools.wraps(f)` on your "
-                               "own function")
+        if any(value is d for d in DECORATORS_ONLY) and (problem := self.decorator_problem(node, value)):
+            return problem
         # torch's own functions and methods are never the file's to replace, under whatever alias it reached
         # them (a list item, a loop variable, a default argument, `type(t)`): no write to an attribute so named.
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) \
@@ -896,12 +912,6 @@ class _Check:
                                            or any(isinstance(a, ast.Starred) for a in node.args)):
             return Outside(f"{where} calls {func} with its arguments unpacked or by keyword "
                            f"(`{ast.unparse(node)}`): write them out, {func}(obj, \"name\"{', value' if func == 'setattr' else ''})")
-        if resolved is functools.wraps:
-            parent = self.parents.get(id(node))
-            if not (isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in parent.decorator_list) \
-                    or len(node.args) != 1 or node.keywords or isinstance(node.args[0], ast.Starred):
-                return Outside(f"{where} uses functools.wraps other than as `@functools.wraps(f)` on its own "
-                               "function: only so does it copy nothing but f's name and docstring onto that function")
         if func in ATTRIBUTE_BUILTINS:
             key = node.args[1]
             if func in ("setattr", "delattr") and (problem := self.write_problem(node.args[0], f"calls {func} on")):
