@@ -330,6 +330,17 @@ for target in targets:
     except OSError as e:
         print(f"write-protected: refused: {target}: {e}")
 """,
+    # Entries planted in the folders every user may write, before root's later runs make them: pytest's own
+    # temporary folder (a later root pytest then refuses it) and a file in shared memory.
+    "plant-shared-tmp": BOUNDARY_STUB + r"""
+import os
+
+for path in ("/tmp/pytest-of-root-planted", "/dev/shm/fsdp-planted"):
+    try:
+        os.mkdir(path, 0o777) if path.startswith("/tmp") else open(path, "w").close()
+    except OSError:
+        pass
+""",
     # A background process that outlives its rank (double fork, its own session) and would write
     # later, once the grader reads what it wrote.
     "background-process": BOUNDARY_STUB + r"""

@@ -15,6 +15,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -359,6 +360,21 @@ def test_background_process_of_a_file_is_killed(boundary_mutant):
     with Ranks(2) as ranks, pytest.raises(RankError, match="NotImplementedError: a stub"):
         checks.check_forward(ranks, boundary_mutant("background-process"), "float32", "float32")
     assert not sandbox_processes(), sandbox_processes()
+
+
+@as_root
+def test_files_a_file_leaves_in_shared_folders_are_removed(boundary_mutant):
+    """What a file's ranks leave in /tmp, /var/tmp or /dev/shm (a folder named like root's pytest temporary
+    folder, made first) is gone once its pool closes; what others own there stays."""
+    planted = [Path("/tmp/pytest-of-root-planted"), Path("/dev/shm/fsdp-planted")]
+    kept = Path(tempfile.mkstemp(prefix="fsdp-root-kept-", dir="/tmp")[1])
+    try:
+        with Ranks(2) as ranks, pytest.raises(RankError, match="NotImplementedError: a stub"):
+            checks.check_forward(ranks, boundary_mutant("plant-shared-tmp"), "float32", "float32")
+        assert not [p for p in planted if os.path.lexists(p)], planted
+        assert kept.exists()
+    finally:
+        kept.unlink()
 
 
 # --------------------------------------------------------------------------- as graders run them

@@ -28,7 +28,8 @@ The trust boundary: a pool has one role, for its whole life.
   (harness/tools/grading/wire.py: JSON and safetensors, decoded against the job's return annotation, with
   a size cap), each rank on its own pipe, so the rank a result is from is never taken from the
   message. What its runs write (traces, snapshots, checkpoints) goes to the sandbox's own folder
-  and is copied back as plain files. When it closes, `sandbox.sweep` kills what its ranks left.
+  and is copied back as plain files. When it closes, `sandbox.sweep` kills what its ranks left, and
+  `sandbox.sweep_files` removes what they left in /tmp, /var/tmp and /dev/shm.
 - "own": a student's own tools (benchmark, report, handin's profiled runs), both FSDPs in one
   pool, as the user who runs them: no boundary, nothing of anyone else's to protect.
 `Ranks` holds one world size's trusted and sandboxed pools for the graded checks.
@@ -377,6 +378,7 @@ class RankPool:
 
             # the ranks still running, and whatever they started that outlived them
             sandbox.sweep([p.pid for p in self._procs if p.is_alive()])
+            sandbox.sweep_files()  # and what they left in the folders every user may write
         for p in self._procs:
             if p.is_alive():
                 p.kill()

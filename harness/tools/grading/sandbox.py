@@ -374,3 +374,40 @@ def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
         doomed |= tree
         time.sleep(0.05)
     raise SandboxError(f"processes of {USER} still running after {timeout:.0f} s of killing them")
+
+
+# --------------------------------------------------------------------------- files left behind
+
+# Folders every user may write into: what the sandbox user leaves there outlives its pool, and can stand in
+# a later root process's way (a /tmp/pytest-of-root made first makes root's pytest refuse its temporary
+# folder; a /tmp/torchinductor_root would hand code to root's torch.compile).
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def sweep_files(folders: tuple[str, ...] = SHARED_FOLDERS) -> list[str]:
+    """As root: remove every entry of the shared folders that the sandbox user owns (a folder with all in
+    it; no link is followed). Returns what was removed. Not root: nothing (the student's own run)."""
+    if not wanted():
+        return []
+    try:
+        uid, _ = account()
+    except SandboxError:
+        return []
+    removed = []
+    for folder in folders:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed.append(entry.path)
+            except OSError:
+                pass
+    return removed
