@@ -68,8 +68,10 @@ def load(impl: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         store, delete = _guarded(setattr, name), _guarded(delattr, name)
-        module.__dict__.update(setattr=store, delattr=delete, **{_STORE: store, _DELETE: delete,
-                                                                 "__effdl_operator__": operator})
+        guarded_type = _guarded_type(name)
+        module.__dict__.update(setattr=store, delattr=delete, type=guarded_type,
+                               **{_STORE: store, _DELETE: delete, _CLASS: _class_of(guarded_type),
+                                  "__effdl_operator__": operator})
         sys.modules[name] = module
         try:
             exec(_guarded_code(path), module.__dict__)
@@ -130,10 +132,76 @@ def _guarded(builtin, own: str):
     return guarded
 
 
+# [Note: classes a file under test makes at run time]
+# `type(name, bases, namespace)` makes a class whose namespace the source check may not see (computed
+# keys: a `__torch_dispatch__` that hides collectives from the collective log, a `__match_args__` that
+# turns `case C(x)` into a getattr), and the class of a class is a metaclass that makes such classes
+# (`type(type(x))`, `x.__class__.__class__`). So the file's `type` is a guard, and its `__class__` reads
+# go through one: type(x) of an instance is its class; the class of a class (whatever its metaclass) is
+# the guard itself; a class made from three arguments derives from the file's own classes, object,
+# nn.Module or autograd.Function only, with a namespace of plain names (and those a class statement
+# fills in). What FSDP does with it, `type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})`, passes.
+_CLASS_DUNDERS = frozenset({"__module__", "__qualname__", "__doc__", "__slots__"})  # what a class statement fills in
+
+
+class _TypeCheck(type):
+    """isinstance(x, type) and issubclass(c, type) with the file's guarded `type` mean what they always do."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, type)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, type)
+
+
+def _guarded_type(own: str):
+    import torch
+
+    def refused(why: str) -> TypeError:
+        return TypeError(f"type(...): {why}")
+
+    class type_(type, metaclass=_TypeCheck):
+        def __class_getitem__(cls, item):  # type[X] in an annotation
+            return type[item]
+
+        def __new__(mcs, *args):
+            if len(args) == 1:
+                return class_of(args[0])
+            if len(args) != 3:
+                raise refused("takes 1 or 3 arguments")
+            name, bases, namespace = args
+            for base in bases:
+                if not (base is object or isinstance(base, type) and (
+                        base.__module__ == own or issubclass(base, (torch.nn.Module, torch.autograd.Function)))):
+                    raise refused(f"a class made by a file under test derives from its own classes, object, nn.Module "
+                                  f"or autograd.Function, not {base!r}")
+            for key in namespace:
+                if not isinstance(key, str) or key.startswith("__") and key.endswith("__") and key not in _CLASS_DUNDERS:
+                    raise refused(f"a class made by a file under test has plain names, not {key!r} (a hook Python "
+                                  "calls on its own): write the class out")
+            return type(name, bases, {"__module__": own, **namespace})  # the file's, as its own type() would say
+
+    type_.__name__ = type_.__qualname__ = "type"
+    class_of = _class_of(type_)
+    return type_
+
+
+def _class_of(guarded_type):
+    """`obj.__class__` (and `type(obj)`) in a file under test: see [Note: classes a file under test makes at run time]."""
+
+    def class_of(obj):
+        found = obj.__class__
+        if isinstance(found, type) and issubclass(found, type):  # obj is a class: its class is a metaclass
+            return guarded_type
+        return found
+
+    return class_of
+
+
 # Every attribute the file writes with `obj.name = value` (or `+=`, or `del obj.name`) goes through the
 # same guard: the source check cannot tell which object an alias holds (a list item, a loop variable,
 # `t.__class__`), the guard sees it. The two names are dunders, which the file may not name.
-_STORE, _DELETE = "__effdl_store__", "__effdl_delete__"
+_STORE, _DELETE, _CLASS = "__effdl_store__", "__effdl_delete__", "__effdl_class__"
 
 
 class _GuardStores(ast.NodeTransformer):
@@ -185,6 +253,13 @@ class _GuardStores(ast.NodeTransformer):
         return [ast.copy_location(ast.Assign([ast.Name(t, ast.Store())], node.target.value), node),
                 ast.copy_location(self.call(_STORE, ast.Name(t, ast.Load()), ast.Constant(node.target.attr),
                                             ast.Call(op, [read, node.value], [])), node)]
+
+    def visit_Attribute(self, node: ast.Attribute):
+        """`x.__class__` read -> `__effdl_class__(x)`."""
+        self.generic_visit(node)
+        if node.attr == "__class__" and isinstance(node.ctx, ast.Load):
+            return ast.copy_location(ast.Call(ast.Name(_CLASS, ast.Load()), [node.value], []), node)
+        return node
 
     def visit_Delete(self, node: ast.Delete):
         self.generic_visit(node)

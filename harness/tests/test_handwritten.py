@@ -12,6 +12,12 @@ from harness.tools.grading import handwritten
 HONEST = {
     "stdlib": "import math, functools, itertools, dataclasses, enum, contextlib, collections, typing, weakref\n"
               "import warnings, logging, time\nfrom collections.abc import Iterable\nfrom typing import Any\n",
+    "contextmanager": "import contextlib\nimport torch\n@contextlib.contextmanager\ndef quiet():\n    with torch.no_grad():\n"
+                      "        yield\n",
+    "class_of_an_object_read": "import torch\ndef f(m):\n    cls = type(m)\n    return isinstance(m, (bool, type(None))), "
+                               "cls.__name__, type(f'FSDP{cls.__name__}', (cls,), {}), m.__class__.__name__\n",
+    "unbound_on_self": "from torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        nn.Module.__init__(self)\n",
+    "match_builtin": "class P:\n    a = 1\ndef f(x):\n    match x:\n        case int(v):\n            return v\n        case P(a=v):\n            return v\n",
     "os_environ": "import os\nDEBUG = os.environ.get('FSDP_DEBUG') == '1' or os.getenv('X') is not None\n",
     "from_os": "from os import environ\n",
     "print_debugging": "import torch\ndef f(x):\n    print(f'{x.shape=} {x.dtype}', flush=True)\n    return x\n",
@@ -254,8 +260,19 @@ OUTSIDE = {
     "setattr_named_like_torch": ("import torch\nfor T in (torch.Tensor,):\n    setattr(T, 'sum', print)\n", 2,
                                  "passes the class torch.Tensor around"),
     "class_in_a_list": ("import torch.distributed as dist\nL = [dist.Work]\n", 2, "passes the class"),
-    "class_as_argument": ("import torch\nfrom torch import nn\nnn.Module.set_submodule(torch.Tensor, 'x', None)\n", 3,
+    "class_as_argument": ("import torch\nfrom torch import nn\nprint(torch.Tensor, 'x', None)\n", 3,
                           "passes the class torch.Tensor around"),
+    "method_through_its_class": ("import torch\nfrom torch import nn\nnn.Module.set_submodule(torch.Tensor, 'x', None)\n", 3,
+                                 "calls `nn.Module.set_submodule` through its class"),
+    "class_of_an_object_to_torch": ("import torch\nfrom torch import nn\ntorch.compiler.disable(type(nn.Linear(1, 1)))\n",
+                                    3, "hands `type(nn.Linear(1, 1))`, a class, to `torch.compiler.disable`"),
+    "metaclass_called": ("import abc\nX = abc.ABCMeta('X', (), {})\n", 2, "calls the metaclass `abc.ABCMeta`"),
+    "match_by_position": ("class P:\n    pass\ndef f(x):\n    match x:\n        case P(v):\n            return v\n", 5,
+                          "matches `P(...)` by position"),
+    "exit_stack": ("import contextlib\ns = contextlib.ExitStack()\n", 2, "uses `ExitStack`"),
+    "context_held_by_a_generator": ("import torch\ndef g():\n    with torch.no_grad():\n        yield\n", 4,
+                                    "yields inside a `with` block of a generator"),
+    "type_rebound": ("type = 1\n", 1, "binds the name `type`"),
     "class_as_default": ("import torch\ndef f(t=torch.Tensor):\n    pass\n", 2, "passes the class"),
     "metaclass_of_a_torch_class": ("import torch.distributed as dist\nclass M(type(dist.Work)):\n    pass\n", 2,
                                    "derives M from"),
@@ -418,3 +435,35 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
     module = impl.load(str(honest))
     assert module.m.extra.shape == (2, 2) and module.mine.extra == 1 and module.mine.count == 3
     assert (module.m.weight == 1).all() and module.mine.b == 2 and module.m.c == 3 and not hasattr(module.mine, "a")
+
+
+def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):
+    """The class of a class reached where the source check cannot tell it is one (a variable) is the loader's
+    guarded type ([Note: classes a file under test makes at run time]): a Tensor subclass or a namespace with a
+    hook is refused on import; FSDP's own class swap, type(x) and isinstance(x, type) work as ever."""
+    import torch
+
+    from harness import impl
+
+    head = "import torch\nfrom torch import nn\n\n\ndef fully_shard(m):\n    return m\n\n\n" \
+           "class MixedPrecisionPolicy:\n    pass\n\n\n"
+    for n, (body, refusal) in enumerate([
+            ("c = type(0)\nmeta = c.__class__\nbase = type(torch.zeros(0))\nmeta('T', (base,), {})\n",
+             "derives from its own classes"),
+            ("c = type(0)\nmeta = type(c)\nns = {}\nns['_' + '_match_args__'] = ('x',)\nmeta('A', (), ns)\n", "plain names"),
+            ("c = torch.zeros(0).__class__\nmeta = c.__class__\nmeta('T', (), {})\n", None)]):
+        bent = tmp_path / f"bent{n}.py"
+        bent.write_text(head + body)
+        assert handwritten.static_problem(bent) is None  # what the loader is for
+        if refusal is None:  # the class of torch.Tensor (a metaclass of torch's) is the guard too: a plain class
+            assert type(impl.load(str(bent)).meta) is impl._TypeCheck
+            continue
+        with pytest.raises(TypeError, match=refusal):
+            impl.load(str(bent))
+    honest = tmp_path / "honest.py"
+    honest.write_text(head + "class FSDPModule:\n    pass\n\n\nm = nn.Linear(1, 1)\ncls = type(m)\n"
+                             "m.__class__ = type(f'FSDP{cls.__name__}', (FSDPModule, cls), {})\n"
+                             "checks = (isinstance(cls, type), issubclass(type(cls), type), type(None), m.__class__.__name__)\n")
+    module = impl.load(str(honest))
+    assert module.checks == (True, True, type(None), "FSDPLinear") and isinstance(module.m, torch.nn.Linear)
+    assert type(module.m).__module__ == module.__name__  # the file's own class, as its own type() would make it

@@ -321,6 +321,21 @@ def test_detectors_switched_off_stay_on_in_the_grader(boundary_mutant):
     assert digest_tree(*protected()) == before
 
 
+def test_detectors_switched_off_past_the_loader_void_the_run(boundary_mutant):
+    """Switched off by ways the loader's guard does not see (the module's namespace written as a dict,
+    type.__setattr__), the detectors report FSDP2's own run as the file's; the rank's backstop finds torch's
+    and the harness's code changed after the job and voids it, naming each change."""
+    path = boundary_mutant("detectors-off-past-the-loader")
+    assert handwritten.static_problem(Path(path)) is not None
+    with Ranks(2) as ranks, pytest.raises(RankError) as failed:
+        checks.check_forward(ranks, path, "float32", "float32")
+    for changed in ("harness.tools.grading.handwritten.model_problem (replaced)",
+                    "harness.tools.grading.jobs.fsdp2_problem (replaced)",
+                    "harness.tools.grading.jobs.CommLog.__torch_dispatch__ (replaced)"):
+        assert changed in str(failed.value), str(failed.value)
+    assert "the file under test changed what this process runs" in str(failed.value)
+
+
 @as_root
 def test_store_rewrite_changes_no_later_verdict(boundary_mutant):
     """A batch graded with the store-rewriting file first: the store the session grades with (the one

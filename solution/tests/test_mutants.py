@@ -56,6 +56,12 @@ def test_collective_beside_the_logged_ones_fails(mutant, pool2):
         checks.check_forward(pool2, mutant("side-channel-broadcast"), "float32", "float32")
 
 
+def test_collective_inside_dtensor_dispatch_fails(mutant, pool2):
+    """An all-gather DTensor issues inside its own dispatch (a redistribution the file asked for) is logged."""
+    with pytest.raises(AssertionError, match=r"forward collectives differ from FSDP2's: effdl sent 1 x all-gather"):
+        checks.check_forward(pool2, mutant("side-channel-dtensor"), "float32", "float32")
+
+
 def test_odd_shapes_check_fails(mutant, pool3):
     with pytest.raises(AssertionError, match="torch.chunk gives it"):
         checks.check_odd_shapes(pool3, mutant("tensor-split-rows"))

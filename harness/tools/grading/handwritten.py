@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import ast
 import builtins
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -133,6 +134,8 @@ ADVICE = {
     **dict.fromkeys(("boxed", "unbox"),
                     "wait for a collective with its work handle's wait(), which the overlap check sees"),
     "get_device_module": _COMPUTED,
+    # A context entered on a stack that may never be closed stays on for the whole process.
+    **dict.fromkeys(("ExitStack", "AsyncExitStack"), "enter a context with a `with` statement, which also leaves it"),
     # Changes torch's or Python's tables that outlive the file: its backends, an item of a container it did
     # not make, the classes an enum is made from at run time, a generic's argument classes.
     **dict.fromkeys(("register_backend", "setitem", "delitem", "EnumType", "EnumMeta", "get_args"),
@@ -213,6 +216,9 @@ SUBCLASSED_BASES = (torch.nn.Module, torch.autograd.Function, enum.Enum, BaseExc
 # written out, and never rebinds them (impl.load gives the file setattr and delattr that refuse
 # torch's classes, modules and functions, which a name computed at run time could otherwise reach).
 ATTRIBUTE_BUILTINS = ("getattr", "hasattr", "setattr", "delattr")
+GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file its own setattr, delattr and type
+# Classes whose `case C(x)` matches the subject itself (not an attribute of it).
+SELF_MATCHING = {"bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list", "set", "str", "tuple"}
 REFUSED_BUILTINS = {"eval", "exec", "compile", "globals", "locals", "vars", "__import__", "open", "input",
                     "breakpoint", "help", "exit", "quit", "__builtins__", "__loader__", "__spec__", "bytearray",
                     "memoryview"}
@@ -681,6 +687,47 @@ class _Check:
         value = node.value if value is None else value
         return isinstance(value, ast.Name) and value.id == me and not rebound
 
+    @staticmethod
+    def held_context(func: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.AST | None:
+        """A yield of `func` itself (not of a function inside it) inside one of its `with` blocks."""
+        def walk(node: ast.AST, inside: bool):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                    continue
+                if isinstance(child, (ast.Yield, ast.YieldFrom, ast.Await)) and inside:
+                    return child
+                found = walk(child, inside or isinstance(child, (ast.With, ast.AsyncWith)))
+                if found is not None:
+                    return found
+            return None
+
+        return walk(func, False)
+
+    @staticmethod
+    def class_of_something(node: ast.AST) -> bool:
+        """`node` is `type(x)` or `x.__class__`: a class."""
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type" or \
+            isinstance(node, ast.Attribute) and node.attr == "__class__"
+
+    def type_argument_problem(self, node: ast.Call) -> str | None:
+        """The class of an object (`type(x)`, `x.__class__`) handed to torch's or Python's code, which may write
+        onto what it is given (torch.compiler.disable(cls) replaces its methods): only read it in place."""
+        func = node.func.id if isinstance(node.func, ast.Name) else None
+        if func in ("isinstance", "issubclass", "type", "id", "hash", "repr", "str", "print") or func in self.own_functions:
+            return None  # the file's own functions: call_problem's rule
+        given = [*node.args, *(kw.value for kw in node.keywords)]
+        for arg in list(given):
+            inner = arg.value if isinstance(arg, ast.Starred) else arg
+            if isinstance(inner, (ast.List, ast.Tuple, ast.Set)):
+                given += inner.elts
+        for arg in given:
+            if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id == "type" or \
+                    isinstance(arg, ast.Attribute) and arg.attr == "__class__":
+                return Outside(f"{self.where(node)} hands `{ast.unparse(arg)}`, a class, to `{ast.unparse(node.func)}`, "
+                               "which may change it for the whole process: read a class in place (type(x).__name__, "
+                               "isinstance(x, C)), and hand torch your own objects")
+        return None
+
     def base_problem(self, node: ast.ClassDef, base: ast.expr) -> str | None:
         """A class of the file derives from its own classes, or from what an FSDP builds on (ALLOWED_BASES):
         a base of torch's or Python's otherwise brings methods that act on the file's attributes in ways the
@@ -764,9 +811,9 @@ class _Check:
                                                ast.MatchStar)) else \
             node.rest if isinstance(node, ast.MatchMapping) else node.arg if isinstance(node, ast.arg) else \
             (node.asname or node.name) if isinstance(node, ast.alias) else None
-        if bound in ATTRIBUTE_BUILTINS:
+        if bound in GUARDED_BUILTINS:
             return self.rebinds(node, bound)
-        if isinstance(node, (ast.Global, ast.Nonlocal)) and (names := set(node.names) & set(ATTRIBUTE_BUILTINS)):
+        if isinstance(node, (ast.Global, ast.Nonlocal)) and (names := set(node.names) & set(GUARDED_BUILTINS)):
             return self.rebinds(node, sorted(names)[0])
         # What a name or attribute chain read here is (resolved once for the rules below; None if not torch's or
         # Python's).
@@ -832,6 +879,9 @@ class _Check:
                 if not (isinstance(parent, ast.Attribute) and parent.value is node):
                     return Outside(f"{where} passes the module {module.__name__} around (`{ast.unparse(node)}`): use "
                                    "its members in place (torch.x.y), so the check can read what is used")
+            if node.attr == "__class__" and self.class_of_something(node.value):
+                return Outside(f"{where} takes `{ast.unparse(node)}`, the class of a class (a metaclass, which makes "
+                               "classes from any namespace): write classes out")
             # A plain method read from the file's own class takes whatever its caller passes as self.
             if isinstance(node.ctx, ast.Load) and node.attr in self.own_methods and self.a_class(node.value):
                 return Outside(f"{where} takes `{ast.unparse(node)}` from the class, where its first argument is whatever "
@@ -842,6 +892,12 @@ class _Check:
             return self.write_problem(node, "writes into")
         if isinstance(node, ast.Name):
             return self.name_problem(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                not any(self.resolve(d) is contextlib.contextmanager for d in node.decorator_list) and \
+                (held := self.held_context(node)) is not None:
+            return Outside(f"{self.where(held)} yields inside a `with` block of a generator: the context stays on while "
+                           "the generator waits, for the whole process if it is never resumed; leave the block before "
+                           "yielding (or make the function a @contextlib.contextmanager, used in a `with`)")
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _dunder(node.name):
             if node.name in PICKLING_HOOKS:
                 return Outside(f"{where} defines `{node.name}`: {_PICKLE_ADVICE}")
@@ -860,6 +916,11 @@ class _Check:
                     return problem
             return None
         if isinstance(node, ast.MatchClass):  # `case C(attr=x)` reads x = subject.attr
+            if node.patterns and not (isinstance(node.cls, ast.Name) and node.cls.id in SELF_MATCHING
+                                      and len(node.patterns) == 1):
+                return Outside(f"{where} matches `{ast.unparse(node.cls)}(...)` by position, which reads the attributes "
+                               "the class's __match_args__ name (whatever a class made at run time says): match by "
+                               "keyword, case C(attr=x)")
             return next(filter(None, (self.attribute_problem(a, node) for a in node.kwd_attrs)), None)
         if isinstance(node, ast.Call):
             return self.call_problem(node)
@@ -867,7 +928,7 @@ class _Check:
 
     def name_problem(self, node: ast.Name) -> str | None:
         where = self.where(node)
-        if node.id in ATTRIBUTE_BUILTINS and not isinstance(node.ctx, ast.Load):
+        if node.id in GUARDED_BUILTINS and not isinstance(node.ctx, ast.Load):
             return self.rebinds(node, node.id)
         if node.id in REFUSED_BUILTINS or node.id in _FSDP2_NAMES:
             return _refuse(f"{where} uses `{node.id}`", node.id)
@@ -935,6 +996,20 @@ class _Check:
             # setattr/delattr with a computed name on the file's own objects is how a module's
             # parameter is swapped under its name; the object is checked above, the name cannot be.
             return None
+        if isinstance(resolved, type) and issubclass(resolved, type) and resolved is not type:
+            return Outside(f"{where} calls the metaclass `{ast.unparse(node.func)}`, which makes a class from a namespace "
+                           "at run time: write the class out (class Name(Base): ...)")
+        if isinstance(node.func, ast.Attribute) and isinstance(resolved, types.FunctionType) and \
+                isinstance(self.resolve(node.func.value), type) and not (
+                    node.args and not isinstance(node.args[0], ast.Starred) and self.on_own_instance(node, node.args[0])):
+            return Outside(f"{where} calls `{ast.unparse(node.func)}` through its class: a method written in Python acts "
+                           "on whatever it is given as self (a class, a module), so call it on your instances "
+                           f"(obj.{node.func.attr}(...)), or with self in your own method (Base.{node.func.attr}(self, ...))")
+        if problem := self.type_argument_problem(node):
+            return problem
+        if func == "type" and len(node.args) == 1 and self.class_of_something(node.args[0]):
+            return Outside(f"{where} takes `{ast.unparse(node)}`, the class of a class (a metaclass, which makes classes "
+                           "from any namespace): write classes out")
         if func == "type" and len(node.args) == 3:
             namespace = node.args[2]
             if not (isinstance(namespace, ast.Dict) and all(

@@ -72,9 +72,10 @@ _COLLECTIVES = {
 # Every other op of these namespaces moves data between ranks too (broadcast, all-to-all, send, gather,
 # a list all-gather, a coalesced all-reduce, a barrier, ...): each is logged under its own name with the
 # bytes of all its tensors, so nothing travels beside the logged collectives unseen (a program that
-# issues one FSDP2 does not differs from FSDP2 there). Waits move nothing: the collective was logged.
+# issues one FSDP2 does not differs from FSDP2 there). Waits move nothing (the collective was logged), nor
+# does wrapping a functional collective's output for autograd.
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor", "symm_mem")
-_WAITS = ("wait_tensor", "wait")
+_MOVE_NOTHING = ("wait_tensor", "wait", "_wrap_tensor_autograd")
 
 
 def _tensors(value):
@@ -102,6 +103,9 @@ def group_ranks(func, args) -> tuple[int, ...] | None:
     return None
 
 
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__  # a plain tensor's: torch's own kernels
+
+
 class CommLog(TorchDispatchMode):
     """Every collective a rank issues (all-gathers, reduce-scatters, all-reduces: HSDP's and the loop's,
     and any other, under its op's name): (step, phase, kind, dtype, bytes) and the ranks of its
@@ -115,11 +119,18 @@ class CommLog(TorchDispatchMode):
         self.uses_fsdp2: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A tensor subclass with a dispatch of its own (DTensor) first: it runs with this mode still on, so the
+        # ops it issues inside (a redistribution's all-gather) come back here. Run by this mode instead, they
+        # would run with it off (a mode is popped while it handles an op), unseen. Not torch's tracing tensors
+        # (fake, functional: DTensor's sharding propagation), which hold no data and move none.
+        if any(t.__torch_dispatch__ is not _NO_DISPATCH and not t.__module__.startswith("torch._subclasses.")
+               for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
         ns, name = func.namespace, func.__name__.split(".")[0]
         if ns == "fsdp" and self.uses_fsdp2 is None:
             self.uses_fsdp2 = f"it runs FSDP2's op fsdp::{name}"
-        if ns in _COMM_NAMESPACES and name not in _WAITS:
+        if ns in _COMM_NAMESPACES and name not in _MOVE_NOTHING:
             if name in _COLLECTIVES:
                 kind, index = _COLLECTIVES[name]
                 tensors = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]

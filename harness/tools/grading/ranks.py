@@ -27,7 +27,9 @@ The trust boundary: a pool has one role, for its whole life.
   is root (harness/tools/grading/sandbox.py), before any job runs, and send results as data only
   (harness/tools/grading/wire.py: JSON and safetensors, decoded against the job's return annotation, with
   a size cap), each rank on its own pipe, so the rank a result is from is never taken from the
-  message. What its runs write (traces, snapshots, checkpoints) goes to the sandbox's own folder
+  message. After every job a rank checks that nothing of torch's, Python's or the harness's code or
+  settings was left changed (harness/tools/grading/tamper.py); a job after which something was is void.
+  What its runs write (traces, snapshots, checkpoints) goes to the sandbox's own folder
   and is copied back as plain files. When it closes, `sandbox.sweep` kills what its ranks left, and
   `sandbox.sweep_files` removes what they left in /tmp, /var/tmp and /dev/shm.
 - "own": a student's own tools (benchmark, report, handin's profiled runs), both FSDPs in one
@@ -137,6 +139,11 @@ def _worker(role: str, rank: int, world_size: int, port: int, device: str, threa
 
         torch.set_num_threads(threads)
         init_distributed(device)
+        if data:  # what the process runs before any file under test is imported (tamper.py)
+            from harness.tools.grading import jobs, tamper  # noqa: F401  (the jobs' code is in the baseline)
+
+            baseline = tamper.Baseline()
+            extend, changes, void = baseline.extend, baseline.changes, tamper.void
         send(0, "ready")
     except BaseException:
         send(0, "error", tb=traceback.format_exc())
@@ -150,10 +157,16 @@ def _worker(role: str, rank: int, world_size: int, port: int, device: str, threa
             break
         number, fn, args, kwargs = job
         torch.set_num_threads(threads)  # whatever an earlier job (a file under test) set
+        if data:
+            extend()
         try:
             value = fn(*args, **kwargs)
         except BaseException:
             send(number, "error", tb=traceback.format_exc())
+            continue
+        changed = changes() if data else []
+        if changed:  # the job ran beside code of the file's own in torch's or the harness's place
+            send(number, "error", tb=void(changed))
         else:
             send(number, "ok", value, fn)
     shutdown_distributed()

@@ -1,0 +1,301 @@
+"""Whether a file under test changed what its process runs: a backstop behind the source check.
+
+The detectors of a graded run (the collective log, the probes, the wait and compute marks, the FSDP2
+checks) run inside the sandboxed rank, beside the file they watch. The source check
+(handwritten.py) and the loader's guards (harness/impl.py) keep the file from reaching them; this is
+the wall behind those two. Before a sandboxed rank's first job, a `Baseline` holds the modules the
+detectors stand on (torch, the harness, train.py, the standard modules they use): each module's and
+each of its classes' namespace, each function's code, defaults and the code its closure holds, and the
+process-wide settings a context changes (grad mode, autocast, anomaly mode, the mode stacks, warnings'
+filters, the standard streams). After every job the rank compares, and the job's result is void (the
+rank reports an error that names each change), however the change was made:
+- in the harness's and train.py's namespaces, anything replaced, added or deleted;
+- in torch's and Python's, code replaced, added or deleted, unless torch did it itself: torch registers
+  and wraps its own functions as they first run (torch.optim's step hooks, torch.compile's tags on
+  nn.Module.__init__), so code written in torch that holds nothing from outside torch, Python and the
+  harness is torch's; code from anywhere else (the file), or torch's wrapper around it, is not. Their
+  data (settings, counters, caches) is torch's own state. torch's compilers (UNWATCHED), which patch
+  themselves most and on which no detector stands, are not compared;
+- a function's code, defaults or the code in its closure swapped, a module in `sys.modules` swapped, a
+  class's metaclass or bases;
+- a setting not back to what it was: a context entered and never left.
+
+What it cannot see, by design: a change made and undone inside one job (the source check's and the
+loaders' part). Its own code is in the baseline too, and the check is bound before the first job, so
+replacing the method afterwards does not replace the check.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import sys
+import types
+
+# What the detectors stand on; a module is watched when its name is one of these or under one.
+WATCHED = ("torch", "torchtitan", "train", "harness", "builtins", "functools", "contextlib", "weakref", "threading",
+           "gc", "pickle", "copyreg", "multiprocessing", "socket", "os", "posixpath", "sys", "io", "operator", "types",
+           "typing", "enum", "dataclasses", "collections", "abc", "inspect", "traceback", "json", "struct",
+           "hashlib", "warnings", "logging", "math", "itertools", "re")
+
+CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType,
+        types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType,
+        types.GetSetDescriptorType, types.MemberDescriptorType, property, staticmethod, classmethod)
+"""What runs: compared by identity (with anything callable)."""
+
+# What Python adds to a namespace as it runs, by itself: warnings' once-registries, copy's slot names; and the
+# harness's own once-flags.
+ADDED_BY_PYTHON = frozenset({"__warningregistry__", "__slotnames__"})
+HARNESS_STATE = {"harness.profiling": {"_cpu_profiler_quiet"}, "harness.compat": {"_proc_blocked"},
+                 "harness.impl": {"_REFUSED"}}
+
+
+# torch's compilers and tracers, which register, cache and wrap their own functions as they first run (and
+# which no detector stands on).
+UNWATCHED = ("torch._dynamo", "torch._inductor", "torch.compiler", "torch._functorch", "torch.fx", "torch._decomp",
+             "torch._subclasses", "torch._export", "torch.export", "torch._higher_order_ops", "torch._prims",
+             "torch._prims_common", "torch._refs", "torch._lazy", "torch.onnx", "torch.jit", "torch._library",
+             "torch.utils._sympy")
+
+
+def _ours(module: str) -> bool:
+    """Torch's (its compilers too), torchtitan's, Python's or the harness's."""
+    return module.split(".", 1)[0] in WATCHED
+
+
+def watched(name: str) -> bool:
+    return name.split(".", 1)[0] in WATCHED and not (name + ".").startswith(tuple(u + "." for u in UNWATCHED))
+
+
+# What a function runs besides its closure, each compared by identity.
+_PARTS = (("code", operator.attrgetter("__code__")), ("defaults", operator.attrgetter("__defaults__")),
+          ("keyword defaults", operator.attrgetter("__kwdefaults__")))
+
+
+def _cells(f: types.FunctionType) -> list:
+    """The code a function's closure holds (its other variables may change as it runs)."""
+    held = []
+    for cell in f.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell: a variable assigned later in the enclosing function
+            continue
+        if issubclass(type(value), CODE):
+            held.append((cell, value))
+    return held
+
+
+def settings() -> dict[str, object]:
+    """The process-wide settings a context changes while it is on (grad mode, autocast, anomaly mode, the
+    default dtype, the mode stacks, warnings' filters, the standard streams, the tracer): between jobs each is
+    as it was before the first, unless a context was entered and never left (a `with` in a generator never
+    resumed, an ExitStack never closed)."""
+    import threading
+    import warnings
+
+    import torch
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    found = {"torch.is_grad_enabled()": torch.is_grad_enabled(),
+             "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
+             "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
+             "torch.get_default_dtype()": torch.get_default_dtype(),
+             "torch.get_default_device()": torch.get_default_device(),
+             "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+             "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
+             "torch function modes": len(_get_current_function_mode_stack()),
+             "torch dispatch modes": len(_get_current_dispatch_mode_stack()),
+             "warnings.filters": tuple(warnings.filters),
+             "sys.stdout": sys.stdout, "sys.stderr": sys.stderr, "sys.stdin": sys.stdin,
+             "sys.gettrace()": sys.gettrace(), "sys.getprofile()": sys.getprofile(),
+             "threading.gettrace()": threading.gettrace(), "threading.getprofile()": threading.getprofile()}
+    for device in ("cpu", "cuda"):
+        found[f"torch.is_autocast_enabled({device!r})"] = torch.is_autocast_enabled(device)
+        found[f"torch.get_autocast_dtype({device!r})"] = torch.get_autocast_dtype(device)
+    return found
+
+
+class Baseline:
+    """Every watched module's namespace and its classes', as the rank holds them before any job.
+
+    Compared by identity, fast: each namespace is kept with the ids of its values in order (the copy
+    keeps those objects alive, so an equal id is the same object), and a namespace whose keys and ids
+    are unchanged is passed over at C speed; the others are walked."""
+
+    def __init__(self):
+        self.modules: dict[str, types.ModuleType] = {}
+        self.namespaces: dict[object, tuple[dict, list[int]]] = {}  # module name or class -> copy, ids
+        self.classes: dict[type, tuple[type, tuple]] = {}  # class -> its metaclass and bases
+        self.functions: list[types.FunctionType] = []
+        self.held: list[list] = []  # per function: its code, defaults, keyword defaults (alive), then their ids
+        self.cells: list[tuple] = []  # (function, cell, the code it held)
+        self.settings = settings()
+        self.extend()
+
+    def extend(self) -> None:
+        """Add the watched modules imported since (a job's own modules arrive with the job), before the
+        job runs."""
+        classes, seen = [], set(self.functions)
+        for name, module in list(sys.modules.items()):
+            if name in self.modules or module is None or not watched(name):
+                continue
+            self.modules[name] = module
+            namespace = getattr(module, "__dict__", None)
+            if namespace is not None:
+                self._keep(name, namespace, seen)
+                classes += [v for v in namespace.values() if issubclass(type(v), type) and watched(_module_of(v))]
+        for cls in classes:
+            for c in cls.__mro__:
+                if c not in self.classes and watched(_module_of(c)):
+                    self.classes[c] = (type(c), c.__bases__)
+                    self._keep(c, vars(c), seen)
+        self.held = [[*map(get, self.functions)] for _, get in _PARTS]
+        self.held += [[*map(id, objects)] for objects in self.held]
+
+    def _keep(self, owner, namespace, seen: set) -> None:
+        copy = dict(namespace)
+        self.namespaces[owner] = (copy, [*map(id, copy.values())])
+        for v in copy.values():
+            if type(v) is types.FunctionType and v not in seen:
+                seen.add(v)
+                self.functions.append(v)
+                self.cells += [(v, cell, held) for cell, held in _cells(v)]
+
+    def changes(self) -> list[str]:
+        """What differs from the baseline, each as `where.name (how)`; [] when nothing does."""
+        now = settings()
+        found = [f"{name} ({now[name]!r}, was {was!r})" if name != "warnings.filters" else f"{name} (changed)"
+                 for name, was in self.settings.items() if not _same(now[name], was)]
+        found += [f"sys.modules[{name!r}] (replaced)" for name, module in self.modules.items()
+                  if sys.modules.get(name, module) is not module]
+        found += [f"{_where(c)}.{what} (replaced)" for c, (meta, bases) in self.classes.items()
+                  for what, now, was in (("__class__", type(c), meta), ("__bases__", c.__bases__, bases)) if now is not was]
+        for owner, (old, ids) in self.namespaces.items():
+            now = vars(self.modules[owner]) if isinstance(owner, str) else vars(owner)
+            if now.keys() == old.keys() and [*map(id, now.values())] == ids:
+                continue
+            state = HARNESS_STATE.get(owner, ()) if isinstance(owner, str) else ()
+            harness = (owner if isinstance(owner, str) else _module_of(owner)).split(".", 1)[0] in ("harness", "train")
+            for k, v in old.items():
+                if k not in now:
+                    found.append(f"{_where(owner)}.{k} (deleted)")
+                elif now[k] is not v and (harness and k not in state or not harness and (
+                        issubclass(type(v), CODE) or callable(v) or callable(now[k])) and not _made_by_torch(owner, k, now[k], v)):
+                    found.append(f"{_where(owner)}.{k} (replaced)")
+            for k in now.keys() - old.keys():
+                if (harness or callable(now[k])) and k not in ADDED_BY_PYTHON and not _made_by_torch(owner, k, now[k], None):
+                    found.append(f"{_where(owner)}.{k} (added)")
+        for (part, get), ids in zip(_PARTS, self.held[len(_PARTS):]):
+            if [*map(id, map(get, self.functions))] != ids:
+                found += [f"{_where_function(f)}'s {part} (replaced)" for f, was in zip(self.functions, ids)
+                          if id(get(f)) != was]
+        found += [f"{_where_function(f)}'s closure (replaced)" for f, cell, held in self.cells
+                  if _filled_with(cell) is not held]
+        return found
+
+
+
+def _made_by_torch(owner, name: str, value, before) -> bool:
+    """Whether torch put `value` there itself as it runs: torch.compile's globals for the code it compiled from
+    a module (`__compiled_fn_1_...`, `__import_x`: new names, never a module's own), a submodule imported since,
+    and code of torch's that holds nothing from outside torch, Python and the harness (torch registers and wraps
+    its own functions lazily: torch.optim's step hooks, torch.compile's generation tags on nn.Module.__init__,
+    its optimizer and cache patches), or an instance of torch's where there was no code (a cache made on first
+    use). Never in the harness's own namespaces, where nothing changes."""
+    if isinstance(owner, str) and (name.startswith("__") and not name.endswith("__") or
+                                   isinstance(value, types.ModuleType) and value.__name__ == f"{owner}.{name}"):
+        return True
+    if not callable(before) and not issubclass(type(before), CODE) and not issubclass(type(value), CODE) and \
+            _ours(type(value).__module__) and not _from_outside(value):
+        return True
+    return _torch_code(value) and not _from_outside(value)
+
+
+def _torch_code(value) -> bool:
+    """`value` is a function written in torch (or a method, property or partial of such)."""
+    if type(value) is types.FunctionType:
+        return value.__code__.co_filename.startswith(_INSIDE()[0])
+    inner = _inner(value)
+    return bool(inner) and not isinstance(value, functools.partial) and all(map(_torch_code, inner))
+
+
+def _inner(value) -> list:
+    """What a callable holds that may be called in its place: a method's function, a descriptor's functions,
+    a partial's function, a wrapper's wrapped (`__wrapped__`) and its closure's callables."""
+    if isinstance(value, (types.MethodType, staticmethod, classmethod)):
+        return [value.__func__]
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
+    if isinstance(value, functools.partial):
+        return [value.func, *value.args, *value.keywords.values()]
+    if type(value) is types.FunctionType:
+        wrapped = value.__dict__.get("__wrapped__")
+        return [c for c in (*(_filled_with(cell) for cell in value.__closure__ or ()), wrapped)
+                if c is not None and callable(c)]
+    return []
+
+
+def _from_outside(value, depth: int = 3) -> bool:
+    """Whether `value` is, or holds, code from a file outside torch, Python and the harness (the file's)."""
+    if type(value) is types.FunctionType:
+        if not value.__code__.co_filename.startswith(_INSIDE()):
+            return True
+    elif isinstance(value, type):
+        return not _ours(_module_of(value))
+    elif callable(value) and not isinstance(value, (types.BuiltinFunctionType, types.MethodType, staticmethod,
+                                                    classmethod, property, functools.partial)):
+        if not _ours(type(value).__module__):  # an instance of a class of the file's with __call__
+            return True
+    return depth > 0 and any(_from_outside(v, depth - 1) for v in _inner(value))
+
+
+@functools.cache
+def _INSIDE() -> tuple[str, ...]:  # noqa: N802
+    """The folders whose code is torch's, torchtitan's, Python's or the harness's."""
+    import sysconfig
+
+    import torch
+    import torchtitan
+
+    from harness.impl import ROOT
+
+    return (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(torchtitan.__file__) + os.sep,
+            sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep,
+            str(ROOT / "harness") + os.sep, str(ROOT / "train.py"))
+
+
+def _module_of(cls: type) -> str:
+    module = cls.__dict__.get("__module__")
+    return module if isinstance(module, str) else ""
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b))
+    return a is b or a == b
+
+
+def _filled_with(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
+
+
+def _where_function(f: types.FunctionType) -> str:
+    return f"{f.__module__}.{f.__qualname__}"
+
+
+def _where(owner) -> str:
+    return owner if isinstance(owner, str) else f"{_module_of(owner)}.{owner.__qualname__}"
+
+
+def void(changes: list[str]) -> str:
+    """A rank's error for a job after which `changes` were found."""
+    shown = ", ".join(changes[:8]) + (f" and {len(changes) - 8} more" if len(changes) > 8 else "")
+    return ("the file under test changed what this process runs: " + shown + ". An FSDP changes nothing "
+            "of torch's, Python's or the grader's code or settings (that is how a program hides what it does from the "
+            "checks), so this rank's results are void: set attributes on your own objects, modules and tensors only, "
+            "and leave every context you enter (a `with` block, not held open)")
