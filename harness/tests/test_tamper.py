@@ -4,6 +4,7 @@ named, undone it is not, and what torch does by itself as it runs is not a chang
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch._dynamo  # noqa: F401  (in the ranks before any job: it wraps torch.manual_seed when first imported)
@@ -83,6 +84,12 @@ def test_a_context_left_on_is_named():
     finally:
         generator.close()
     assert baseline.changes() == []
+    here = os.getcwd()
+    os.chdir("/")  # contextlib.chdir held open the same way
+    try:
+        assert baseline.changes() == [f"os.getcwd() ('/', was {here!r})"]
+    finally:
+        os.chdir(here)
 
 
 def test_void_names_the_changes():

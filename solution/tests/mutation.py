@@ -142,6 +142,13 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            torch.cat([_p.sharded.detach(), DTensor.from_local(_p.sharded.to_local().detach()[:0], _p.mesh,\n"
         "                                                               [Replicate()] * _p.mesh.ndim)])\n"
         "            # region task2: forward prefetch\n")],
+    # The all-gather's output polled until it is there, then waited for later (after the compute, where its
+    # wait finds it done): the poll is the wait, which no mark shows; the collective log names the read.
+    "poll-all-gather-output": [(
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+        "            while bool(torch.isnan(flat).any()):\n"
+        "                pass\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
@@ -669,7 +676,26 @@ SOURCE_CHEATS.update({
                                 '    def forward(self, name):\n        return "intercepted " + name\n\n\n'
                                 'nn.Module.set_submodule(type(torch.zeros(1)), "_" + "_getattr__", Sink())\n',
 })
+# A ninth round's.
+SOURCE_CHEATS.update({
+    # Any file read a line at a time: a warning's source line, formatted into the file's own stream.
+    'warning-reads-a-file': 'import contextlib\nimport warnings\n\n\nclass Sink:\n    def __init__(self):\n'
+                            '        self.parts = []\n\n    def write(self, text):\n        self.parts.append(text)\n\n\n'
+                            'def read_line(path, number):\n    sink = Sink()\n    with contextlib.redirect_stderr(sink):\n'
+                            '        warnings.warn_explicit("x", UserWarning, path, number)\n    return "".join(sink.parts)\n',
+    # A context entered in one hook and left in another, by resuming a @contextmanager's generator by hand.
+    'context-resumed-by-hand': 'import contextlib\n\nimport torch\n\n\nclass Slot:\n    def __init__(self):\n'
+                               '        self.gen = None\n\n\n@contextlib.contextmanager\ndef no_grad_held():\n'
+                               '    with torch.no_grad():\n        yield\n\n\nHELD = []\n\n\ndef enter():\n'
+                               '    HELD.append(no_grad_held())\n    next(HELD[0].gen)\n',
+    # The process's random numbers reseeded behind train.py's seed.
+    'generator-reseeded': 'import torch\n\n\ndef fully_shard(module, **kwargs):\n    torch.default_generator.seed()\n'
+                          '    return module\n',
+})
 SOURCE_REFUSALS.update({
+    'warning-reads-a-file': 'uses `redirect_stderr`',
+    'context-resumed-by-hand': 'uses `.gen`',
+    'generator-reseeded': 'uses `default_generator`',
     'match-args-getattr': 'calls the metaclass `abc.ABCMeta`',
     'metaclass-of-a-class': 'the class of a class',
     'dispatch-subclass': 'the class of a class',

@@ -62,6 +62,13 @@ def test_collective_inside_dtensor_dispatch_fails(mutant, pool2):
         checks.check_forward(pool2, mutant("side-channel-dtensor"), "float32", "float32")
 
 
+def test_output_read_before_its_wait_fails(mutant, pool2):
+    """An all-gather's output polled until it is there (then waited for later, where the wait finds it done): the
+    collective log names the read ([Note: a collective's result read before its wait] in jobs.py)."""
+    with pytest.raises(AssertionError, match=r"reads the output of an asynchronous all-gather before its work handle"):
+        checks.check_forward(pool2, mutant("poll-all-gather-output"), "float32", "float32")
+
+
 def test_odd_shapes_check_fails(mutant, pool3):
     with pytest.raises(AssertionError, match="torch.chunk gives it"):
         checks.check_odd_shapes(pool3, mutant("tensor-split-rows"))

@@ -129,7 +129,9 @@ ADVICE = {
                      "FileStore", "TCPStore", "HashStore", "PrefixStore", "export_chrome_trace", "export_stacks",
                      "export_memory_timeline", "tensorboard_trace_handler", "ExecutionTraceObserver", "basicConfig",
                      "FileHandler", "handlers", "addHandler", "Handler", "StreamHandler", "setLoggerClass",
-                     "setLogRecordFactory", "showwarning", "formatwarning", "input", "help"), _FILES),
+                     "setLogRecordFactory", "showwarning", "formatwarning", "input", "help",
+                     # a warning's source line read from any file it names; the standard streams redirected
+                     "warn_explicit", "redirect_stdout", "redirect_stderr", "debug_dump", "enable_debug_mode"), _FILES),
     # Waits no trace marks as one (Work.wait is marked: harness/tools/traces/schedule.py), and a way to any module.
     **dict.fromkeys(("boxed", "unbox"),
                     "wait for a collective with its work handle's wait(), which the overlap check sees"),
@@ -157,7 +159,9 @@ ADVICE = {
                      "register_optimizer_step_post_hook", "register_rendezvous_handler", "caching_allocator_enable",
                      "set_per_process_memory_fraction", "skip_guard_on_globals_unsafe", "set_enable_guard_collectives",
                      "set_multithreading_enabled", "set_stream", "erase_step_count", "increment_step",
-                     "set_sync_debug_mode", "set_warn_on_accumulate_grad_stream_mismatch"),
+                     "set_sync_debug_mode", "set_warn_on_accumulate_grad_stream_mismatch",
+                     "reset_max_memory_cached", "reset_peak_host_memory_stats", "default_generator",
+                     "manual_seed_all", "seed_all", "set_rng_state_all", "fork_rng", "initial_seed", "chdir"),
                     "an FSDP changes no process-wide setting, registry or filter (train.py sets them): use "
                     "`with torch.no_grad():` where gradients must not be recorded"),
     # Ops hidden from the dispatcher's Python modes, where the collective log and its FSDP2 check run.
@@ -216,7 +220,12 @@ SUBCLASSED_BASES = (torch.nn.Module, torch.autograd.Function, enum.Enum, BaseExc
 # written out, and never rebinds them (impl.load gives the file setattr and delattr that refuse
 # torch's classes, modules and functions, which a name computed at run time could otherwise reach).
 ATTRIBUTE_BUILTINS = ("getattr", "hasattr", "setattr", "delattr")
-GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file its own setattr, delattr and type
+GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")
+# Instance attributes of the standard helpers' objects that hold their internals: a @contextmanager's generator
+# (resumed by hand, its context stays on past the with block), warnings.catch_warnings' module, the redirect
+# contexts' streams, an ExitStack's callbacks, logging's manager and its loggers. Not the API, and not
+# introspected (set in __init__), so the file's own attributes may not take these names.
+INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict"}  # the loader gives the file its own setattr, delattr and type
 # Classes whose `case C(x)` matches the subject itself (not an attribute of it).
 SELF_MATCHING = {"bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list", "set", "str", "tuple"}
 REFUSED_BUILTINS = {"eval", "exec", "compile", "globals", "locals", "vars", "__import__", "open", "input",
@@ -603,6 +612,10 @@ class _Check:
                 return None
             return Outside(f"{where} uses `{name}`: it reaches modules, globals or code objects, which a "
                            "hand-written FSDP does not need; " + _ARGS)
+        if name in INTERNAL_ATTRS:
+            return Outside(f"{where} uses `.{name}`, an attribute of a standard helper's internals (a context "
+                           "manager's generator, warnings' module, logging's manager): name your own attribute "
+                           "otherwise")
         if name in self.names.frames:
             return Outside(f"{where} uses `.{name}`, an attribute of frames, code objects or generators' internals, "
                            "which a hand-written FSDP does not need; " + _ARGS)

@@ -104,6 +104,8 @@ def group_ranks(func, args) -> tuple[int, ...] | None:
 
 
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__  # a plain tensor's: torch's own kernels
+_PLAIN = (torch.Tensor, nn.Parameter)
+_WORK_WAITS = ("wait", "is_completed", "get_future", "synchronize", "block_current_stream")
 
 
 class CommLog(TorchDispatchMode):
@@ -117,6 +119,46 @@ class CommLog(TorchDispatchMode):
         self.events: list[tuple[int, str, str, str, int]] = []
         self.groups: list[tuple[int, ...] | None] = []  # each event's process group
         self.uses_fsdp2: str | None = None
+        self.problems: list[str] = []
+        # [Note: a collective's result read before its wait]
+        # An op that reads what an asynchronous collective writes before its work handle was asked for
+        # (wait, is_completed() found done, get_future, synchronize) reads a result that may not be there
+        # yet: a race, and, polled until it is, a wait that no mark in a profiled trace shows (the overlap
+        # check would count the compute after it as overlapped). FSDP2 never does; such a read is a problem.
+        # Each collective's Work is the one the caller gets (pybind keeps one Python object per Work while it
+        # lives), so the handles' own methods say when it was waited for.
+        self.pending: dict[int, tuple[object, set[int], str]] = {}  # id(work) -> (work, its outputs' storages, kind)
+        self._unwatch = None
+
+    def __enter__(self):
+        pending = self.pending
+        originals = {name: getattr(dist.Work, name) for name in _WORK_WAITS}
+
+        def waiting(name):
+            original = originals[name]
+
+            def asked(work, *args, **kwargs):
+                if name != "is_completed":  # asked first: a wait may copy the result into place itself (gloo's)
+                    pending.pop(id(work), None)
+                    return original(work, *args, **kwargs)
+                done = original(work, *args, **kwargs)
+                if done:
+                    pending.pop(id(work), None)
+                return done
+
+            asked.__name__ = asked.__qualname__ = name
+            return asked
+
+        for name in _WORK_WAITS:
+            setattr(dist.Work, name, waiting(name))
+        self._unwatch = lambda: [setattr(dist.Work, n, f) for n, f in originals.items()]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._unwatch()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # A tensor subclass with a dispatch of its own (DTensor) first: it runs with this mode still on, so the
@@ -147,6 +189,24 @@ class CommLog(TorchDispatchMode):
                 self.groups.append(ranks)
             if self.uses_fsdp2 is None:
                 self.uses_fsdp2 = handwritten.stack_problem()
+            out = func(*args, **kwargs)
+            works = [w for w in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(w, torch.ScriptObject)]
+            if works:
+                work = dist.Work.unbox(works[0])
+                written = {t.untyped_storage().data_ptr() for t in _tensors(args[0])}  # c10d's ops: outputs first
+                self.pending[id(work)] = (work, written - {0}, kind)
+            return out
+        if self.pending and not func.is_view and not self.problems:
+            read = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs)) if type(t) in _PLAIN}
+            for work, written, kind in self.pending.values():
+                if read & written:
+                    phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+                    self.problems.append(
+                        f"step {self.step} ({phase}): {func} reads the output of an asynchronous {kind.replace('_', '-')} "
+                        "before its work handle was waited for: wait (work.wait()) before using a collective's result "
+                        "(read before, it may not be there yet; polled until it is, it is a wait the overlap check "
+                        "cannot see)")
+                    break
         return func(*args, **kwargs)
 
     def record(self) -> Comm:
@@ -289,7 +349,7 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
         e.add_note(f"(in step {min(log.step, cfg.num_steps)} of {cfg.num_steps}, rank {dist.get_rank()})" if log.step else
                    "(while wrapping the model with fully_shard)")
         raise
-    problems = holder["probes"].problems if holder.get("probes") else []
+    problems = (holder["probes"].problems if holder.get("probes") else []) + log.problems
     return Run(result, digests, problems, log.record(), holder.get("uses_fsdp2") or log.uses_fsdp2)
 
 
@@ -311,7 +371,8 @@ def forward_job(cfg: train.Config) -> Run:
             probes.problems.append(f"{when}: layers.{name} is a {type(p).__name__}, not its sharded DTensor "
                                    "(a block that reshards after forward puts its sharded parameters back)")
             break
-    return Run(None, [], probes.problems, log.record(), problem or log.uses_fsdp2, forward_loss=loss.item())
+    return Run(None, [], probes.problems + log.problems, log.record(), problem or log.uses_fsdp2,
+               forward_loss=loss.item())
 
 
 def shard_job(cfg: train.Config, step: int, name: str) -> torch.Tensor:

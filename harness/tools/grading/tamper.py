@@ -110,7 +110,8 @@ def settings() -> dict[str, object]:
              "warnings.filters": tuple(warnings.filters),
              "sys.stdout": sys.stdout, "sys.stderr": sys.stderr, "sys.stdin": sys.stdin,
              "sys.gettrace()": sys.gettrace(), "sys.getprofile()": sys.getprofile(),
-             "threading.gettrace()": threading.gettrace(), "threading.getprofile()": threading.getprofile()}
+             "threading.gettrace()": threading.gettrace(), "threading.getprofile()": threading.getprofile(),
+             "os.getcwd()": os.getcwd()}
     for device in ("cpu", "cuda"):
         found[f"torch.is_autocast_enabled({device!r})"] = torch.is_autocast_enabled(device)
         found[f"torch.get_autocast_dtype({device!r})"] = torch.get_autocast_dtype(device)
