@@ -16,6 +16,8 @@ HONEST = {
                       "        yield\n",
     "class_of_an_object_read": "import torch\ndef f(m):\n    cls = type(m)\n    return isinstance(m, (bool, type(None))), "
                                "cls.__name__, type(f'FSDP{cls.__name__}', (cls,), {}), m.__class__.__name__\n",
+    "internal_names_on_self": "class State:\n    def __init__(self, m):\n        self._module = m\n        self.gen = 0\n"
+                              "    def use(self):\n        return self._module, self.gen\n",
     "unbound_on_self": "from torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        nn.Module.__init__(self)\n",
     "match_builtin": "class P:\n    a = 1\ndef f(x):\n    match x:\n        case int(v):\n            return v\n        case P(a=v):\n            return v\n",
     "os_environ": "import os\nDEBUG = os.environ.get('FSDP_DEBUG') == '1' or os.getenv('X') is not None\n",
@@ -282,7 +284,10 @@ OUTSIDE = {
     "cuda_peak_reset_by_alias": ("import torch\ntorch.cuda.reset_max_memory_cached()\n", 2,
                                  "uses `reset_max_memory_cached`"),
     "context_generator_resumed": ("import contextlib\nclass Slot:\n    def __init__(self):\n        self.gen = None\n"
-                                  "def f(cm):\n    next(cm.gen)\n", 4, "uses `.gen`, an attribute of a standard helper's internals"),
+                                  "def f(cm):\n    next(cm.gen)\n", 6, "uses `.gen`, an attribute of a standard helper's internals"),
+    "class_by_name": ("class B:\n    pass\nmeta = getattr(B, '__class__')\n", 3, "reads `__class__` by a name or a pattern"),
+    "class_by_pattern": ("class B:\n    pass\nmatch B:\n    case object(__class__=meta):\n        pass\n", 4,
+                         "reads `__class__` by a name or a pattern"),
     "class_as_default": ("import torch\ndef f(t=torch.Tensor):\n    pass\n", 2, "passes the class"),
     "metaclass_of_a_torch_class": ("import torch.distributed as dist\nclass M(type(dist.Work)):\n    pass\n", 2,
                                    "derives M from"),

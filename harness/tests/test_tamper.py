@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import types
 
 import torch
-import torch._dynamo  # noqa: F401  (in the ranks before any job: it wraps torch.manual_seed when first imported)
+import torch._dynamo  # noqa: F401  (it wraps torch.manual_seed when first imported, by itself)
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from harness.tools.grading import jobs, tamper
 
@@ -53,8 +56,22 @@ def test_each_kind_of_change_is_named_and_undone_is_not():
     jobs.digest.__code__ = (lambda p: "0").__code__
     try:
         assert baseline.changes() == ["harness.tools.grading.jobs.digest's code (replaced)"]
+        baseline.extend()  # before the next job: a swap is still a change
+        assert baseline.changes() == ["harness.tools.grading.jobs.digest's code (replaced)"]
     finally:
         jobs.digest.__code__ = code
+    # an object of the file's (not code) in torch's place
+    file = types.ModuleType("effdl_fsdp_test")
+    file.__file__ = "/submissions/fsdp.py"
+    exec(compile("class Dispatcher:\n    pass\n", file.__file__, "exec"), vars(file))
+    sys.modules[file.__name__] = file
+    original = vars(DTensor)["_op_dispatcher"]
+    type.__setattr__(DTensor, "_op_dispatcher", file.Dispatcher())
+    try:
+        assert baseline.changes() == ["torch.distributed.tensor.DTensor._op_dispatcher (replaced)"]
+    finally:
+        type.__setattr__(DTensor, "_op_dispatcher", original)
+        del sys.modules[file.__name__]
     assert baseline.changes() == []
 
 

@@ -220,12 +220,12 @@ SUBCLASSED_BASES = (torch.nn.Module, torch.autograd.Function, enum.Enum, BaseExc
 # written out, and never rebinds them (impl.load gives the file setattr and delattr that refuse
 # torch's classes, modules and functions, which a name computed at run time could otherwise reach).
 ATTRIBUTE_BUILTINS = ("getattr", "hasattr", "setattr", "delattr")
-GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")
+GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file its own setattr, delattr and type
 # Instance attributes of the standard helpers' objects that hold their internals: a @contextmanager's generator
 # (resumed by hand, its context stays on past the with block), warnings.catch_warnings' module, the redirect
 # contexts' streams, an ExitStack's callbacks, logging's manager and its loggers. Not the API, and not
-# introspected (set in __init__), so the file's own attributes may not take these names.
-INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict"}  # the loader gives the file its own setattr, delattr and type
+# introspected (set in __init__): the file's own attributes take these names only on `self`.
+INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict"}
 # Classes whose `case C(x)` matches the subject itself (not an attribute of it).
 SELF_MATCHING = {"bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list", "set", "str", "tuple"}
 REFUSED_BUILTINS = {"eval", "exec", "compile", "globals", "locals", "vars", "__import__", "open", "input",
@@ -595,6 +595,9 @@ class _Check:
         """`name` read or written as an attribute (of `base`, where known) or imported from a module
         is not allowed."""
         where = self.where(node)
+        if name == "__class__" and not isinstance(node, ast.Attribute):  # the loader guards `x.__class__` only
+            return Outside(f"{where} reads `__class__` by a name or a pattern (getattr, case C(__class__=...)): write "
+                           "x.__class__ or type(x)")
         if name in _FSDP2_NAMES:
             return f"{where} uses `{name}`: {ADVICE[name]}"
         if name in PICKLING_HOOKS:
@@ -612,7 +615,7 @@ class _Check:
                 return None
             return Outside(f"{where} uses `{name}`: it reaches modules, globals or code objects, which a "
                            "hand-written FSDP does not need; " + _ARGS)
-        if name in INTERNAL_ATTRS:
+        if name in INTERNAL_ATTRS and not (isinstance(node, ast.Attribute) and self.on_own_instance(node)):
             return Outside(f"{where} uses `.{name}`, an attribute of a standard helper's internals (a context "
                            "manager's generator, warnings' module, logging's manager): name your own attribute "
                            "otherwise")

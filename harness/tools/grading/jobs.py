@@ -105,7 +105,31 @@ def group_ranks(func, args) -> tuple[int, ...] | None:
 
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__  # a plain tensor's: torch's own kernels
 _PLAIN = (torch.Tensor, nn.Parameter)
-_WORK_WAITS = ("wait", "is_completed", "get_future", "synchronize", "block_current_stream")
+
+# [Note: a collective's result read before its wait]
+# An op that reads what an asynchronous all-gather, reduce-scatter or all-reduce writes before its work
+# handle was asked for (wait, synchronize, get_future, is_completed() found done) reads a result that may
+# not be there yet: a race, and, polled until it is, a wait that no mark in a profiled trace shows (the
+# overlap check would count the compute after it as overlapped). FSDP2 never does; the collective log
+# names such a read as a problem. Each collective's Work is the object its caller gets (pybind keeps one
+# Python object per Work while it lives), so the handle's own methods say when it was waited for. Compared
+# by bytes (another part of the same buffer may be used meanwhile); views and ops that read only a
+# tensor's shape (empty_like, new_zeros...) read nothing. `Tensor.tolist()` bypasses the dispatcher, so
+# the log cannot see it read.
+_WORK_WAITS = ("wait", "synchronize", "get_future", "is_completed", "block_current_stream", "result")
+_SHAPE_ONLY = {getattr(torch.ops.aten, n) for n in (
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty", "new_zeros",
+    "new_ones", "new_full", "new_empty_strided", "is_pinned", "record_stream", "set_", "resize_", "size", "stride",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type")
+    if hasattr(torch.ops.aten, n)}
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes a tensor spans in memory, [start, end); None when it spans none."""
+    if t.numel() == 0 or t.device.type == "meta" or t.data_ptr() == 0:
+        return None
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 class CommLog(TorchDispatchMode):
@@ -120,14 +144,9 @@ class CommLog(TorchDispatchMode):
         self.groups: list[tuple[int, ...] | None] = []  # each event's process group
         self.uses_fsdp2: str | None = None
         self.problems: list[str] = []
-        # [Note: a collective's result read before its wait]
-        # An op that reads what an asynchronous collective writes before its work handle was asked for
-        # (wait, is_completed() found done, get_future, synchronize) reads a result that may not be there
-        # yet: a race, and, polled until it is, a wait that no mark in a profiled trace shows (the overlap
-        # check would count the compute after it as overlapped). FSDP2 never does; such a read is a problem.
-        # Each collective's Work is the one the caller gets (pybind keeps one Python object per Work while it
-        # lives), so the handles' own methods say when it was waited for.
-        self.pending: dict[int, tuple[object, set[int], str]] = {}  # id(work) -> (work, its outputs' storages, kind)
+        # id(work) -> (work, the byte ranges its collective writes, kind): see [Note: a collective's result read
+        # before its wait]
+        self.pending: dict[int, tuple[object, list[tuple[int, int]], str]] = {}
         self._unwatch = None
 
     def __enter__(self):
@@ -149,10 +168,14 @@ class CommLog(TorchDispatchMode):
             asked.__name__ = asked.__qualname__ = name
             return asked
 
-        for name in _WORK_WAITS:
-            setattr(dist.Work, name, waiting(name))
         self._unwatch = lambda: [setattr(dist.Work, n, f) for n, f in originals.items()]
-        return super().__enter__()
+        try:
+            for name in _WORK_WAITS:
+                setattr(dist.Work, name, waiting(name))
+            return super().__enter__()
+        except BaseException:
+            self._unwatch()
+            raise
 
     def __exit__(self, *exc):
         try:
@@ -191,15 +214,14 @@ class CommLog(TorchDispatchMode):
                 self.uses_fsdp2 = handwritten.stack_problem()
             out = func(*args, **kwargs)
             works = [w for w in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(w, torch.ScriptObject)]
-            if works:
+            if works and ns == "c10d" and name in _COLLECTIVES:  # their first argument is what they write
                 work = dist.Work.unbox(works[0])
-                written = {t.untyped_storage().data_ptr() for t in _tensors(args[0])}  # c10d's ops: outputs first
-                self.pending[id(work)] = (work, written - {0}, kind)
+                self.pending[id(work)] = (work, [r for t in _tensors(args[0]) if (r := _extent(t))], kind)
             return out
-        if self.pending and not func.is_view and not self.problems:
-            read = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs)) if type(t) in _PLAIN}
+        if self.pending and not self.problems and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
+            read = [r for t in _tensors((args, kwargs)) if type(t) in _PLAIN and (r := _extent(t))]
             for work, written, kind in self.pending.values():
-                if read & written:
+                if any(a < d and c < b for a, b in read for c, d in written):
                     phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
                     self.problems.append(
                         f"step {self.step} ({phase}): {func} reads the output of an asynchronous {kind.replace('_', '-')} "

@@ -157,16 +157,20 @@ def _worker(role: str, rank: int, world_size: int, port: int, device: str, threa
             break
         number, fn, args, kwargs = job
         torch.set_num_threads(threads)  # whatever an earlier job (a file under test) set
-        if data:
-            extend()
         try:
-            value = fn(*args, **kwargs)
+            if data:
+                extend()
+            value, failed = fn(*args, **kwargs), None
         except BaseException:
-            send(number, "error", tb=traceback.format_exc())
-            continue
-        changed = changes() if data else []
+            value, failed = None, traceback.format_exc()
+        try:  # after a failed job too: what it changed stays changed for the jobs after it
+            changed = changes() if data else []
+        except BaseException:
+            changed = [f"(the check itself failed: {traceback.format_exc()})"]
         if changed:  # the job ran beside code of the file's own in torch's or the harness's place
             send(number, "error", tb=void(changed))
+        elif failed is not None:
+            send(number, "error", tb=failed)
         else:
             send(number, "ok", value, fn)
     shutdown_distributed()

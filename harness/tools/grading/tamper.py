@@ -152,8 +152,13 @@ class Baseline:
                 if c not in self.classes and watched(_module_of(c)):
                     self.classes[c] = (type(c), c.__bases__)
                     self._keep(c, vars(c), seen)
-        self.held = [[*map(get, self.functions)] for _, get in _PARTS]
-        self.held += [[*map(id, objects)] for objects in self.held]
+        # what each function ran when first seen (never refreshed: a swap stays a change at every later job)
+        new = self.functions[len(self.held[0]) if self.held else 0:]
+        if not self.held:
+            self.held = [[] for _ in range(2 * len(_PARTS))]
+        for i, (_, get) in enumerate(_PARTS):
+            self.held[i] += map(get, new)
+            self.held[len(_PARTS) + i] += map(id, self.held[i][-len(new):] if new else ())
 
     def _keep(self, owner, namespace, seen: set) -> None:
         copy = dict(namespace)
@@ -182,11 +187,12 @@ class Baseline:
             for k, v in old.items():
                 if k not in now:
                     found.append(f"{_where(owner)}.{k} (deleted)")
-                elif now[k] is not v and (harness and k not in state or not harness and (
-                        issubclass(type(v), CODE) or callable(v) or callable(now[k])) and not _made_by_torch(owner, k, now[k], v)):
+                elif now[k] is not v and (k not in state and not _compiled(owner, k) if harness
+                                          else _changed(owner, k, now[k], v)):
                     found.append(f"{_where(owner)}.{k} (replaced)")
             for k in now.keys() - old.keys():
-                if (harness or callable(now[k])) and k not in ADDED_BY_PYTHON and not _made_by_torch(owner, k, now[k], None):
+                if k not in ADDED_BY_PYTHON and not _submodule(owner, k, now[k]) and not _compiled(owner, k) and \
+                        (harness or _changed(owner, k, now[k], None)):
                     found.append(f"{_where(owner)}.{k} (added)")
         for (part, get), ids in zip(_PARTS, self.held[len(_PARTS):]):
             if [*map(id, map(get, self.functions))] != ids:
@@ -198,15 +204,35 @@ class Baseline:
 
 
 
+def _submodule(owner, name: str, value) -> bool:
+    """A package's submodule, imported since (its parent gets it as an attribute)."""
+    return isinstance(owner, str) and isinstance(value, types.ModuleType) and value.__name__ == f"{owner}.{name}"
+
+
+def _compiled(owner, name: str) -> bool:
+    """A global torch.compile made for the code it compiled from a module (`__compiled_fn_1_...`, `__import_x`,
+    `__builtins_dict___0`: new names, never a module's own), the harness's modules included."""
+    return isinstance(owner, str) and name.startswith("__") and not name.endswith("__")
+
+
+def _runs(value) -> bool:
+    return callable(value) or issubclass(type(value), CODE)
+
+
+def _changed(owner, name: str, value, before) -> bool:
+    """In torch's or Python's namespace, `value` (in place of `before`, or added where it is None) is a change:
+    anything from outside (the file's function, class or object), or code torch did not put there itself."""
+    return _from_outside(value) or (_runs(value) or _runs(before)) and not _made_by_torch(owner, name, value, before)
+
+
 def _made_by_torch(owner, name: str, value, before) -> bool:
     """Whether torch put `value` there itself as it runs: torch.compile's globals for the code it compiled from
     a module (`__compiled_fn_1_...`, `__import_x`: new names, never a module's own), a submodule imported since,
     and code of torch's that holds nothing from outside torch, Python and the harness (torch registers and wraps
     its own functions lazily: torch.optim's step hooks, torch.compile's generation tags on nn.Module.__init__,
     its optimizer and cache patches), or an instance of torch's where there was no code (a cache made on first
-    use). Never in the harness's own namespaces, where nothing changes."""
-    if isinstance(owner, str) and (name.startswith("__") and not name.endswith("__") or
-                                   isinstance(value, types.ModuleType) and value.__name__ == f"{owner}.{name}"):
+    use)."""
+    if _compiled(owner, name) or _submodule(owner, name, value):
         return True
     if not callable(before) and not issubclass(type(before), CODE) and not issubclass(type(value), CODE) and \
             _ours(type(value).__module__) and not _from_outside(value):
@@ -217,7 +243,7 @@ def _made_by_torch(owner, name: str, value, before) -> bool:
 def _torch_code(value) -> bool:
     """`value` is a function written in torch (or a method, property or partial of such)."""
     if type(value) is types.FunctionType:
-        return value.__code__.co_filename.startswith(_INSIDE()[0])
+        return value.__code__.co_filename.startswith(_TORCH)
     inner = _inner(value)
     return bool(inner) and not isinstance(value, functools.partial) and all(map(_torch_code, inner))
 
@@ -225,7 +251,9 @@ def _torch_code(value) -> bool:
 def _inner(value) -> list:
     """What a callable holds that may be called in its place: a method's function, a descriptor's functions,
     a partial's function, a wrapper's wrapped (`__wrapped__`) and its closure's callables."""
-    if isinstance(value, (types.MethodType, staticmethod, classmethod)):
+    if isinstance(value, types.MethodType):  # and what it is bound to, which may be called (a module's __call__)
+        return [value.__func__, value.__self__]
+    if isinstance(value, (staticmethod, classmethod)):
         return [value.__func__]
     if isinstance(value, property):
         return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
@@ -239,32 +267,40 @@ def _inner(value) -> list:
 
 
 def _from_outside(value, depth: int = 3) -> bool:
-    """Whether `value` is, or holds, code from a file outside torch, Python and the harness (the file's)."""
+    """Whether `value` is, or holds, code or an object from a file outside what is installed and the harness
+    (the file's): a function written there, a class defined there, an instance of such a class."""
     if type(value) is types.FunctionType:
-        if not value.__code__.co_filename.startswith(_INSIDE()):
+        if not value.__code__.co_filename.startswith(_INSTALLED):
             return True
     elif isinstance(value, type):
-        return not _ours(_module_of(value))
-    elif callable(value) and not isinstance(value, (types.BuiltinFunctionType, types.MethodType, staticmethod,
-                                                    classmethod, property, functools.partial)):
-        if not _ours(type(value).__module__):  # an instance of a class of the file's with __call__
-            return True
+        return _outside_module(_module_of(value))
+    elif _outside_module(type(value).__module__):
+        return True
     return depth > 0 and any(_from_outside(v, depth - 1) for v in _inner(value))
 
 
-@functools.cache
-def _INSIDE() -> tuple[str, ...]:  # noqa: N802
-    """The folders whose code is torch's, torchtitan's, Python's or the harness's."""
+def _folders() -> tuple[str, tuple[str, ...]]:
+    """torch's folder; and the folders whose code is installed (torch, its dependencies, Python's library) or the
+    harness's. A file under test is loaded from anywhere else."""
     import sysconfig
 
     import torch
-    import torchtitan
 
     from harness.impl import ROOT
 
-    return (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(torchtitan.__file__) + os.sep,
-            sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep,
-            str(ROOT / "harness") + os.sep, str(ROOT / "train.py"))
+    paths = sysconfig.get_paths()
+    return os.path.dirname(torch.__file__) + os.sep, tuple(
+        {paths[k] + os.sep for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+        | {str(ROOT / "harness") + os.sep, str(ROOT / "train.py")})
+
+
+_TORCH, _INSTALLED = _folders()
+
+
+def _outside_module(name: str) -> bool:
+    """Whether the module `name` is loaded from a file outside what is installed and the harness."""
+    where = getattr(sys.modules.get(name), "__file__", None)
+    return isinstance(where, str) and not where.startswith(_INSTALLED)
 
 
 def _module_of(cls: type) -> str:
@@ -273,9 +309,22 @@ def _module_of(cls: type) -> str:
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b))
-    return a is b or a == b
+    """The same setting: the same object, or an equal value of Python's or torch's own kinds (never a call into
+    an object's own __eq__, which a file's stream could answer)."""
+    if type(a) is tuple and type(b) is tuple:
+        return len(a) == len(b) and all(map(_same, a, b))
+    return a is b or type(a) is type(b) and type(a) in _VALUES and a == b
+
+
+def _values() -> tuple[type, ...]:
+    import re
+
+    import torch
+
+    return bool, int, float, str, type(None), torch.dtype, torch.device, re.Pattern
+
+
+_VALUES = _values()
 
 
 def _filled_with(cell):
