@@ -285,6 +285,7 @@ OUTSIDE = {
                                  "uses `reset_max_memory_cached`"),
     "context_generator_resumed": ("import contextlib\nclass Slot:\n    def __init__(self):\n        self.gen = None\n"
                                   "def f(cm):\n    next(cm.gen)\n", 6, "uses `.gen`, an attribute of a standard helper's internals"),
+    "values_past_the_log": ("import torch\ndef f(t):\n    return t.tolist()\n", 3, "uses `tolist`"),
     "class_by_name": ("class B:\n    pass\nmeta = getattr(B, '__class__')\n", 3, "reads `__class__` by a name or a pattern"),
     "class_by_pattern": ("class B:\n    pass\nmatch B:\n    case object(__class__=meta):\n        pass\n", 4,
                          "reads `__class__` by a name or a pattern"),

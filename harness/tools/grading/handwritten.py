@@ -172,6 +172,9 @@ ADVICE = {
     "update_wrapper": "decorate your own function with @functools.wraps(f)",
     **dict.fromkeys(("sleep", "block_current_stream", "get_future_result"),
                     "wait for a collective with its work handle's wait(), which the overlap check sees"),
+    # A tensor's values read into Python without an op the collective log sees (a collective's output polled
+    # before its wait: [Note: a collective's result read before its wait] in jobs.py).
+    **dict.fromkeys(("tolist", "numpy"), "read a value with .item(), or print the tensor"),
     # A profiler of its own would read the names of the grader's ranges (harness/tools/traces/schedule.py).
     **dict.fromkeys(("profile", "key_averages", "events", "emit_nvtx", "emit_itt"),
                     "an FSDP never runs a profiler: train.py profiles (--profile-steps); label your phases with "

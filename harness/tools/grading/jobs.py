@@ -114,8 +114,8 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 # names such a read as a problem. Each collective's Work is the object its caller gets (pybind keeps one
 # Python object per Work while it lives), so the handle's own methods say when it was waited for. Compared
 # by bytes (another part of the same buffer may be used meanwhile); views and ops that read only a
-# tensor's shape (empty_like, new_zeros...) read nothing. `Tensor.tolist()` bypasses the dispatcher, so
-# the log cannot see it read.
+# tensor's shape (empty_like, new_zeros...) read nothing. `Tensor.tolist()` and `.numpy()` read without
+# the dispatcher, where the log cannot see them: the source check refuses both.
 _WORK_WAITS = ("wait", "synchronize", "get_future", "is_completed", "block_current_stream", "result")
 _SHAPE_ONLY = {getattr(torch.ops.aten, n) for n in (
     "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty", "new_zeros",
