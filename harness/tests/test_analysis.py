@@ -12,7 +12,7 @@ import train
 from harness import profiling
 from harness.tools.traces import analysis, collectives, memory_analysis, schedule
 from harness.tools.grading import policy
-from harness.tools.traces.trace import GROUP_RANGE, KINDS, length, overlap, union
+from harness.tools.traces.trace import GROUP_RANGE, KINDS, Trace, length, overlap, union
 
 MiB = 1 << 20
 
@@ -359,7 +359,7 @@ def test_marked_waits_puts_work_wait_back():
     """The ranks run other jobs after a profiled one: Work's ways to wait are marked only inside the `with`."""
     import torch.distributed as dist
 
-    names = ("wait", "is_completed", "get_future", "synchronize", "result")
+    names = schedule.WORK_WAITS
     plain = {name: getattr(dist.Work, name) for name in names}
     barrier = dist.barrier
     issuing = {name: getattr(dist.ProcessGroup, name) for name in schedule._ISSUING}
@@ -372,6 +372,39 @@ def test_marked_waits_puts_work_wait_back():
         raise RuntimeError("training failed")
     assert {name: getattr(dist.Work, name) for name in names} == plain and dist.barrier is barrier
     assert {name: getattr(dist.ProcessGroup, name) for name in issuing} == issuing
+
+
+def test_collective_log_puts_work_back_under_the_same_names():
+    """The collective log watches the same ways to wait as the marks, named as the plain methods (a program that
+    found the log's own names could poll only where it is off), and puts them back however it ends."""
+    import torch.distributed as dist
+
+    from harness.tools.grading.jobs import CommLog
+
+    plain = {name: getattr(dist.Work, name) for name in schedule.WORK_WAITS}
+    with pytest.raises(RuntimeError, match="training failed"), CommLog():
+        assert all(getattr(dist.Work, name) is not plain[name] for name in plain)
+        for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
+            assert [getattr(getattr(dist.Work, n), attr) for n in plain] == [getattr(plain[n], attr) for n in plain], attr
+        raise RuntimeError("training failed")
+    assert {name: getattr(dist.Work, name) for name in plain} == plain
+
+
+def test_an_op_run_through_a_dispatch_mode_counts_once():
+    """Under a dispatch mode (the collective log, on in graded profiled runs) the profiler records an op, the
+    mode's range, then the op again: the trace keeps the outer op and what it ran inside, so a collective is one
+    issue, not two (see [Note: an op run through a dispatch mode])."""
+    def x(name, ts, dur, cat="cpu_op"):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "cat": cat}
+
+    events = [x("ProfilerStep#1", 0, 100, "user_annotation"), x("c10d::allgather_", 10, 40),
+              x("PythonDispatchMode", 11, 38), x("c10d::allgather_", 12, 36), x("aten::empty", 13, 1),
+              x("aten::mul", 60, 20), x("PythonDispatchMode", 61, 18), x("aten::mul", 62, 16),
+              x("aten::mul", 63, 1)]  # an op that runs itself inside (FSDP2's and torch's do): kept
+    t = Trace({"traceEvents": events})
+    assert [e["name"] for e in t.ops] == ["c10d::allgather_"] and t.c10d_calls == {"c10d::allgather_": 1}
+    assert sorted((e["name"], e["ts"]) for e in t.ranges) == [
+        ("ProfilerStep#1", 0), ("aten::empty", 13), ("aten::mul", 60), ("aten::mul", 63), ("c10d::allgather_", 10)]
 
 
 def test_marked_compute_counts_only_the_models(tmp_path):

@@ -28,6 +28,9 @@ HONEST = {
     "own_function_given_a_collective": "import torch.distributed as dist\ndef run(op, t):\n    return op(t)\n"
                                        "run(dist.all_reduce, 1)\n",
     "module_class_swapped": "def swap(module, cls):\n    module.__class__ = cls\n",
+    "storage_freed_and_compared": "import torch\ndef free(t, u):\n    if (s := t.untyped_storage()).size() != 0:\n"
+                                  "        s.resize_(0)\n    shared = t.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()\n"
+                                  "    storage = u.untyped_storage()\n    return shared, storage.nbytes()\n",
     "getattr_literal": "def f(m):\n    return getattr(m, 'weight', None), hasattr(m, 'bias')\n",
     "setattr_computed": "def f(m, name, p):\n    setattr(m, name, p)\n",
     "dunders": "class A:\n    __slots__ = ('x',)\n    def __eq__(self, o):\n        return self.__class__ is o.__class__\n"
@@ -286,6 +289,15 @@ OUTSIDE = {
     "context_generator_resumed": ("import contextlib\nclass Slot:\n    def __init__(self):\n        self.gen = None\n"
                                   "def f(cm):\n    next(cm.gen)\n", 6, "uses `.gen`, an attribute of a standard helper's internals"),
     "values_past_the_log": ("import torch\ndef f(t):\n    return t.tolist()\n", 3, "uses `tolist`"),
+    "storage_bytes_read": ("import torch\ndef f(t):\n    return t.untyped_storage()[0]\n", 3,
+                           "uses `t.untyped_storage()` for more than .resize_(), .size(), .nbytes(), .data_ptr()"),
+    "storage_bytes_read_through_a_name": ("import torch\ndef f(t):\n    s = t.untyped_storage()\n    s.resize_(8)\n"
+                                          "    return bytes(s)\n", 3, "uses `t.untyped_storage()` for more than"),
+    "typed_storage": ("import torch\ndef f(t):\n    return t.storage().size()\n", 3, "calls `t.storage()`, a typed storage"),
+    "storage_getter_uncalled": ("import torch\nget = torch.Tensor.untyped_storage\n", 2,
+                                "takes `torch.Tensor.untyped_storage` without calling it"),
+    "storage_getter_by_name": ("import torch\ndef f(t):\n    return getattr(t, 'untyped_storage')()\n", 3,
+                               "takes `untyped_storage` by a name or a pattern"),
     "class_by_name": ("class B:\n    pass\nmeta = getattr(B, '__class__')\n", 3, "reads `__class__` by a name or a pattern"),
     "class_by_pattern": ("class B:\n    pass\nmatch B:\n    case object(__class__=meta):\n        pass\n", 4,
                          "reads `__class__` by a name or a pattern"),

@@ -692,6 +692,16 @@ SOURCE_CHEATS.update({
     'generator-reseeded': 'import torch\n\n\ndef fully_shard(module, **kwargs):\n    torch.default_generator.seed()\n'
                           '    return module\n',
 })
+# A tenth round's.
+SOURCE_CHEATS.update({
+    # An all-gather's output polled through its storage's bytes, which torch's dispatcher (and the collective log
+    # on it) never sees read: the poll is a wait no mark shows.
+    'poll-through-the-storage': 'import torch\n\n\ndef arrived(flat):\n    return flat.untyped_storage()[0] != 0\n\n\n'
+                                'def wait_by_polling(flat):\n    while not arrived(flat):\n        pass\n',
+})
+SOURCE_REFUSALS.update({
+    'poll-through-the-storage': 'uses `flat.untyped_storage()` for more than',
+})
 SOURCE_REFUSALS.update({
     'warning-reads-a-file': 'uses `redirect_stderr`',
     'context-resumed-by-hand': 'uses `.gen`',

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from harness.tests.test_gradescope import assert_gradescope_format
+from harness.tools.grading import sandbox
 from harness.tools.submissions.points import LINES, TOTAL
 from solution import make_skeleton, release
 from solution.release import ReleaseError
@@ -210,11 +211,19 @@ def test_skeleton_scores_zero_at_its_todo(autograder):
     assert "overlap picture" in [t["name"] for t in doc["tests"] if not t["max_score"]], doc["tests"]
 
 
+def sandbox_roots() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob(f"{sandbox.ROOT_PREFIX}*"))
+
+
 def test_hang_times_out_and_leaves_nothing_running(autograder):
+    """Killed for its time, the graded pytest never closes its pools: the tool removes what they would have
+    (their private folders; no process of theirs is left, which `autograde` checks)."""
+    before = sandbox_roots()
     doc, _ = autograde(autograder, {"fsdp.py": HANG}, "--timeout", "30")
     assert doc["score"] == 0 and doc["output"].startswith("timed out after 30 s"), doc["output"]
     assert all("timed out" in t["output"] for t in lines(doc)), doc["tests"]
     assert 30 <= doc["execution_time"] < 170, doc["execution_time"]
+    assert not sandbox_roots() - before, f"the killed grading left its pools' folders: {sandbox_roots() - before}"
 
 
 # One case of every line: the bundle's path end to end (its files, its environment, the sandbox user, results.json);

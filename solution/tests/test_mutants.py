@@ -69,6 +69,14 @@ def test_output_read_before_its_wait_fails(mutant, pool2):
         checks.check_forward(pool2, mutant("poll-all-gather-output"), "float32", "float32")
 
 
+def test_output_read_before_its_wait_fails_in_a_profiled_run(mutant, pool2, tmp_path):
+    """The same poll in the profiled runs task 2 and 3 are judged from: the collective log is on there too, so a
+    program that polled only where it found no log (under the marks, the trace shows the compute after the poll
+    as overlapped) has its read named there."""
+    with pytest.raises(AssertionError, match=r"profiled.*reads the output of an asynchronous all-gather before its work"):
+        checks.profile_both(pool2, mutant("poll-all-gather-output"), tmp_path / "profiles")
+
+
 def test_odd_shapes_check_fails(mutant, pool3):
     with pytest.raises(AssertionError, match="torch.chunk gives it"):
         checks.check_odd_shapes(pool3, mutant("tensor-split-rows"))

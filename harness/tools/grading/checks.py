@@ -252,6 +252,9 @@ def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory
         else:
             mark = f"## model compute {secrets.token_hex(16)} ##"
             results[name] = run(pool, train_job, cfg, False, mark)
+            for rank, r in enumerate(results[name]):
+                if r.problems:  # the collective log's, which is on in a profiled run too
+                    raise AssertionError(f"{what}, profiled: rank {rank}: " + "; ".join(r.problems[:3]))
             stats[name] = analyze_run(cfg.traces_dir, mark=mark)
     return Profiles(what, stats["fsdp2"], stats["effdl"]), results
 

@@ -222,6 +222,18 @@ SUBCLASSED_BASES = (torch.nn.Module, torch.autograd.Function, enum.Enum, BaseExc
 # The builtins that read and write attributes by name: a file may only call them with its arguments
 # written out, and never rebinds them (impl.load gives the file setattr and delattr that refuse
 # torch's classes, modules and functions, which a name computed at run time could otherwise reach).
+# [Note: a storage's bytes]
+# A tensor's storage is how an FSDP frees the gathered parameters and gets the memory back
+# (`x.untyped_storage().resize_(0)`, FSDP2's way), and how it tells whether two tensors share memory
+# (`.data_ptr()`). Its bytes read in Python (`storage[i]`, `bytes(storage)`, iterating or printing it) are
+# read without torch's dispatcher, where the collective log checks that no collective's output is read
+# before its work handle was waited for (a poll until the result is there is a wait the overlap check
+# cannot see; jobs.py's [Note: a collective's result read before its wait]). So a storage is used only as
+# the receiver of STORAGE_USES, in place or through a name read nowhere else, and a typed storage
+# (`x.storage()`) not at all.
+STORAGE_GETTERS = ("untyped_storage", "storage")
+STORAGE_USES = ("resize_", "size", "nbytes", "data_ptr")
+_STORAGE_USES = ", ".join(f".{n}()" for n in STORAGE_USES)
 ATTRIBUTE_BUILTINS = ("getattr", "hasattr", "setattr", "delattr")
 GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file its own setattr, delattr and type
 # Instance attributes of the standard helpers' objects that hold their internals: a @contextmanager's generator
@@ -605,6 +617,9 @@ class _Check:
             return f"{where} uses `{name}`: {ADVICE[name]}"
         if name in PICKLING_HOOKS:
             return Outside(f"{where} uses `{name}`: {_PICKLE_ADVICE}")
+        if name in STORAGE_GETTERS and not isinstance(node, ast.Attribute):
+            return Outside(f"{where} takes `{name}` by a name or a pattern: write x.untyped_storage() and call "
+                           f"{_STORAGE_USES} on it (harness/tools/grading/handwritten.py, [Note: a storage's bytes])")
         if name in ("format", "format_map") and not imported:
             return self.format_problem(node)
         if name in FORBIDDEN_NAMES:
@@ -641,6 +656,48 @@ class _Check:
                            "or name your own attribute otherwise")
         return Outside(f"{where} uses `.{name}`, which is neither the API of torch and the standard helpers nor a "
                        f"name this file defines: {_PUBLIC_API}")
+
+    def storage_problem(self, node: ast.Attribute) -> str | None:
+        """`x.untyped_storage()` only to free, re-allocate or locate the memory (harness/tools/grading/handwritten.py, [Note: a storage's bytes])."""
+        where = self.where(node)
+        call = self.parents.get(id(node))
+        if node.attr == "storage":
+            if isinstance(call, ast.Call) and call.func is node:
+                return Outside(f"{where} calls `{ast.unparse(node)}()`, a typed storage: use x.untyped_storage() and "
+                               f"call {_STORAGE_USES} on it (harness/tools/grading/handwritten.py, [Note: a storage's bytes])")
+            return None  # the file's own attribute so named, or the module torch.storage (refused as a module)
+        if not (isinstance(call, ast.Call) and call.func is node):
+            return Outside(f"{where} takes `{ast.unparse(node)}` without calling it: write x.untyped_storage() and call "
+                           f"{_STORAGE_USES} on it (harness/tools/grading/handwritten.py, [Note: a storage's bytes])")
+        if self.storage_used(call):
+            return None
+        return Outside(f"{where} uses `{ast.unparse(call)}` for more than {_STORAGE_USES}: a storage's bytes read "
+                       "in Python (indexing, bytes(), iterating, printing) bypass torch's dispatcher, where the "
+                       "collective log checks that no collective's output is read before its wait; read tensors "
+                       "instead (harness/tools/grading/handwritten.py, [Note: a storage's bytes])")
+
+    def storage_used(self, expr: ast.expr) -> bool:
+        """A storage used only as the receiver of STORAGE_USES: in place, or bound to a name (`s = x.untyped_storage()`,
+        `(s := x.untyped_storage()).size()`) read nowhere else in its scope."""
+        parent = self.parents.get(id(expr))
+        if isinstance(parent, ast.NamedExpr) and parent.value is expr:
+            return self.storage_used(parent) and self.storage_name_used(parent.target.id, parent)
+        if isinstance(parent, ast.Assign) and parent.value is expr and len(parent.targets) == 1 \
+                and isinstance(parent.targets[0], ast.Name):
+            return self.storage_name_used(parent.targets[0].id, parent)
+        return self.storage_receiver(expr)
+
+    def storage_receiver(self, expr: ast.expr) -> bool:
+        parent = self.parents.get(id(expr))
+        return isinstance(parent, ast.Attribute) and parent.value is expr and parent.attr in STORAGE_USES \
+            and isinstance(call := self.parents.get(id(parent)), ast.Call) and call.func is parent
+
+    def storage_name_used(self, name: str, binding: ast.AST) -> bool:
+        scope = binding
+        while scope is not None and not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Module)):
+            scope = self.parents.get(id(scope))
+        return all(self.storage_receiver(n) for n in ast.walk(scope if scope is not None else self.tree)
+                   if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load))
 
     def format_problem(self, node: ast.AST) -> str | None:
         """str.format reads the attributes and items its fields name (`{0.__globals__}`): only a
@@ -880,6 +937,9 @@ class _Check:
                     or isinstance(parent, ast.Compare) and node in parent.comparators):
                 return Outside(f"{where} passes os.environ around: read it in place (os.environ.get(...), "
                                "os.environ[...]); an FSDP never changes it")
+        if isinstance(node, ast.Attribute) and node.attr in STORAGE_GETTERS and isinstance(node.ctx, ast.Load) \
+                and (problem := self.storage_problem(node)):
+            return problem
         if isinstance(node, ast.Attribute):
             base = self.resolve(node.value)
             if base is os.environ and node.attr not in ENVIRON_ATTRS:

@@ -25,7 +25,7 @@ from harness import assets, memory, memory_model, model_setup
 from harness.distributed import agree, current_device
 from harness.tools.grading import handwritten
 from harness.tools.grading.policy import config
-from harness.tools.traces.schedule import marked_compute, marked_waits
+from harness.tools.traces.schedule import WORK_WAITS, marked_compute, marked_waits, named_as
 
 
 # --------------------------------------------------------------------------- parameter shards
@@ -116,7 +116,6 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 # by bytes (another part of the same buffer may be used meanwhile); views and ops that read only a
 # tensor's shape (empty_like, new_zeros...) read nothing. `Tensor.tolist()` and `.numpy()` read without
 # the dispatcher, where the log cannot see them: the source check refuses both.
-_WORK_WAITS = ("wait", "synchronize", "get_future", "is_completed", "block_current_stream", "result")
 _SHAPE_ONLY = {getattr(torch.ops.aten, n) for n in (
     "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty", "new_zeros",
     "new_ones", "new_full", "new_empty_strided", "is_pinned", "record_stream", "set_", "resize_", "size", "stride",
@@ -151,7 +150,7 @@ class CommLog(TorchDispatchMode):
 
     def __enter__(self):
         pending = self.pending
-        originals = {name: getattr(dist.Work, name) for name in _WORK_WAITS}
+        originals = {name: getattr(dist.Work, name) for name in WORK_WAITS}
 
         def waiting(name):
             original = originals[name]
@@ -165,12 +164,11 @@ class CommLog(TorchDispatchMode):
                     pending.pop(id(work), None)
                 return done
 
-            asked.__name__ = asked.__qualname__ = name
-            return asked
+            return named_as(original, asked)  # a program cannot tell from its name that the log is on
 
         self._unwatch = lambda: [setattr(dist.Work, n, f) for n, f in originals.items()]
         try:
-            for name in _WORK_WAITS:
+            for name in WORK_WAITS:
                 setattr(dist.Work, name, waiting(name))
             return super().__enter__()
         except BaseException:
@@ -342,8 +340,12 @@ class Run:
 def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) -> Run:
     """Train as train.py does; every shard checked (Shard(0), torch.chunk's rows) and digested after
     wrapping and after every step. observe: under a CommLog with Probes on every block (what the
-    graded step checks); False for a profiled run, whose trace should show the program as it runs,
-    without a Python hook on every op. A profiled run also marks where collectives were waited for,
+    graded step checks); False for a profiled run, whose trace should show the program as it runs, and for
+    a compiled one (no Python dispatch mode around the compiled code). The
+    log is on in a profiled run all the same: a collective's output polled until it is there would pass for
+    overlap in the trace (see [Note: a collective's result read before its wait]), and a program could
+    poll only where no log is on; the trace reads the same with it (see [Note: an op run through a
+    dispatch mode], trace.py). A profiled run also marks where collectives were waited for,
     for the overlap checks (schedule.marked_waits), and, given `mark`, the model's own compute
     (schedule.marked_compute). Without FSDP (--fsdp none) there are no shards
     and nothing to free: only the numbers count."""
@@ -365,7 +367,7 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
 
     try:
         with marked_waits() if cfg.profile_steps else contextlib.nullcontext(), \
-                log if observe else contextlib.nullcontext(), contextlib.ExitStack() as marks:
+                log if observe or cfg.profile_steps else contextlib.nullcontext(), contextlib.ExitStack() as marks:
             result = train.train(cfg, inspect=inspect)
     except BaseException as e:
         e.add_note(f"(in step {min(log.step, cfg.num_steps)} of {cfg.num_steps}, rank {dist.get_rank()})" if log.step else

@@ -110,7 +110,7 @@ class Private:
         uid, gid = account() if wanted() else (None, None)
         if uid is not None:
             reachable()
-        root = Path(tempfile.mkdtemp(prefix="fsdp-sandbox-"))
+        root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_roots`
         for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
             (root / sub).mkdir()
             os.chmod(root / sub, mode)
@@ -135,6 +135,20 @@ class Private:
     def remove(self) -> None:
         Network.stop(self.root)
         shutil.rmtree(self.root, ignore_errors=True)  # never follows a link the sandbox left in it
+
+
+ROOT_PREFIX = "fsdp-sandbox-"
+
+
+def remove_roots(pid: int) -> list[str]:
+    """The private folders of the pools the (dead) process `pid` made, which it never closed: a grading
+    killed for its time (a hung submission) leaves them otherwise, one in the temporary folder per kill.
+    Each is named for the process that made it, so another grading's folders are never touched."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}{pid}-*"):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
 
 
 # [Note: a network of the pool's own]

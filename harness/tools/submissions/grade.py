@@ -101,12 +101,15 @@ def grade(path: Path, timeout: float, pytest_args: list[str], artifacts: Path | 
             return row
         finally:
             # pytest is done (or killed): whatever it left in its session goes too (a forkserver still
-            # importing when a short run ended, anything a submission's rank left in the background)
+            # importing when a short run ended, anything a submission's rank left in the background), and,
+            # killed, what its pools would have removed when they closed (their files, their folders)
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             sandbox.sweep()
+            sandbox.sweep_files()
+            sandbox.remove_roots(proc.pid)
         if not out.exists():
             tail = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
             row["failures"] = f"pytest exited {proc.returncode} before the points table: {tail[0][:200]}"

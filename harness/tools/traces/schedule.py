@@ -71,7 +71,12 @@ _ISSUING = ("_allgather_base", "allgather", "allgather_into_tensor_coalesced", "
 """the ProcessGroup methods behind every public all-gather, reduce-scatter and all-reduce."""
 
 
-def _as(plain, marking):
+WORK_WAITS = ("wait", "is_completed", "get_future", "synchronize", "result", "block_current_stream")
+"""the ways a `Work` tells its caller that the collective is done (or makes the stream wait for it):
+what `marked_waits` marks as a wait, and what the collective log takes as one."""
+
+
+def named_as(plain, marking):
     """`marking` named as the method it stands in for, so that a program cannot tell from its name
     (`Work.wait.__qualname__`) that it runs under the grader's marks."""
     for name in ("__name__", "__qualname__", "__module__", "__doc__"):
@@ -88,10 +93,10 @@ def marked_waits():
     work was still running: a wait right after the issue, inside the same FSDP range (a blocking
     all-gather, `async_op=False`), is then seen even when no FSDP range marks it. So do the other
     ways to learn that a collective is done: `is_completed()` saying True after it said False (a loop
-    polling it waits as much as `wait()`), `get_future()`, `synchronize()`, `result()`. Only inside the `with`:
+    polling it waits as much as `wait()`), `get_future()`, `synchronize()`, `result()`, `block_current_stream()`. Only inside the `with`:
     the ranks run other jobs afterwards, so the plain methods are put back however it ends."""
     work = torch.distributed.Work
-    plain = {name: getattr(work, name) for name in ("wait", "is_completed", "get_future", "synchronize", "result")}
+    plain = {name: getattr(work, name) for name in WORK_WAITS}
 
     running: set[int] = set()  # the Works is_completed() found running and nothing has waited for since
 
@@ -144,11 +149,11 @@ def marked_waits():
         return issue
 
     for name in _ISSUING:
-        setattr(group, name, _as(issuing[name], issues(name)))
-    work.wait, work.is_completed = _as(plain["wait"], wait), _as(plain["is_completed"], is_completed)
-    for name in ("get_future", "synchronize", "result"):
-        setattr(work, name, _as(plain[name], other(name)))
-    torch.distributed.barrier = c10d.barrier = _as(plain_barrier, barrier)
+        setattr(group, name, named_as(issuing[name], issues(name)))
+    work.wait, work.is_completed = named_as(plain["wait"], wait), named_as(plain["is_completed"], is_completed)
+    for name in WORK_WAITS[2:]:
+        setattr(work, name, named_as(plain[name], other(name)))
+    torch.distributed.barrier = c10d.barrier = named_as(plain_barrier, barrier)
     try:
         yield
     finally:
@@ -207,7 +212,7 @@ def marked_compute(model: torch.nn.Module, mark: str):
         return run
 
     for cls, forward in plain.items():
-        cls.forward = _as(forward, marked(cls, forward))
+        cls.forward = named_as(forward, marked(cls, forward))
     try:
         yield
     finally:

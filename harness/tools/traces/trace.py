@@ -104,6 +104,34 @@ class Ranges:
 # --------------------------------------------------------------------------- reading a trace
 
 
+# [Note: an op run through a dispatch mode]
+# Under a Python dispatch mode (the graded runs' collective log, jobs.CommLog), the profiler records each op
+# twice: the op as called, then `PythonDispatchMode` (the mode's Python code), then the same op again where the
+# mode runs it. Only the outer one is the program's call: the two inside are dropped (what the op itself runs,
+# nested further in, stays), so a trace reads the same with a mode on as without one.
+DISPATCH_MODE = "PythonDispatchMode"
+
+
+def without_mode_redispatch(events: list[dict]) -> list[dict]:
+    """`events` less each op's re-run inside a dispatch mode, and the mode's own ranges (see [Note: an op run
+    through a dispatch mode])."""
+    dropped: set[int] = set()
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        by_thread[e.get("pid"), e.get("tid")].append(e)
+    for on in by_thread.values():
+        stack: list[dict] = []  # the ranges enclosing the current one, outermost first
+        for e in sorted(on, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
+                stack.pop()
+            if e["name"] == DISPATCH_MODE:
+                dropped.add(id(e))
+            elif len(stack) >= 2 and stack[-1]["name"] == DISPATCH_MODE and stack[-2]["name"] == e["name"]:
+                dropped.add(id(e))
+            stack.append(e)
+    return [e for e in events if id(e) not in dropped]
+
+
 MAX_TRACE = 1 << 30
 """bytes of one trace file read (a profiled step of the debug model writes megabytes)"""
 
@@ -122,7 +150,7 @@ class Trace:
                 raise ValueError(f"{trace} is not a chrome trace (a JSON object)")
         self.data = trace
         self.rank = trace.get("distributedInfo", {}).get("rank")
-        self.ranges = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        self.ranges = without_mode_redispatch([e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e])
         main = next((e for e in self.ranges if e.get("cat") == "user_annotation" and STEP.match(e["name"])), None)
         if main is None:
             raise ValueError("the trace has no ProfilerStep#N range: was it written by profiling.StepProfiler?")
