@@ -179,7 +179,10 @@ def _guarded_type(own: str):
                 if not isinstance(key, str) or key.startswith("__") and key.endswith("__") and key not in _CLASS_DUNDERS:
                     raise refused(f"a class made by a file under test has plain names, not {key!r} (a hook Python "
                                   "calls on its own): write the class out")
-            return type(name, bases, {"__module__": own, **namespace})  # the file's, as its own type() would say
+            if "__module__" in namespace and namespace["__module__"] != own:
+                raise refused("a class made by a file under test belongs to the file: leave `__module__` out of its "
+                              "namespace (a class that names torch's module passes for torch's)")
+            return type(name, bases, {**namespace, "__module__": own})  # the file's, as its own type() would say
 
     type_.__name__ = type_.__qualname__ = "type"
     class_of = _class_of(type_)

@@ -289,6 +289,14 @@ OUTSIDE = {
     "context_generator_resumed": ("import contextlib\nclass Slot:\n    def __init__(self):\n        self.gen = None\n"
                                   "def f(cm):\n    next(cm.gen)\n", 6, "uses `.gen`, an attribute of a standard helper's internals"),
     "values_past_the_log": ("import torch\ndef f(t):\n    return t.tolist()\n", 3, "uses `tolist`"),
+    "process_reseeded": ("import torch\ntorch.seed()\n", 2, "uses `seed`"),
+    "deterministic_debug_mode": ("import torch\ntorch.set_deterministic_debug_mode(1)\n", 2,
+                                 "uses `set_deterministic_debug_mode`"),
+    "autocast_on_another_device": ("import torch\ntorch.set_autocast_xla_enabled(True)\n", 2,
+                                   "uses `set_autocast_xla_enabled`"),
+    "print_options": ("import torch\ntorch.set_printoptions(precision=1)\n", 2, "uses `set_printoptions`"),
+    "class_claims_a_module": ("A = type('A', (object,), {'__module__': 'torch.distributed'})\n", 1,
+                              "makes a class with `__module__`"),
     "storage_bytes_read": ("import torch\ndef f(t):\n    return t.untyped_storage()[0]\n", 3,
                            "uses `t.untyped_storage()` for more than .resize_(), .size(), .nbytes(), .data_ptr()"),
     "storage_bytes_read_through_a_name": ("import torch\ndef f(t):\n    s = t.untyped_storage()\n    s.resize_(8)\n"
@@ -479,6 +487,8 @@ def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):
             ("c = type(0)\nmeta = c.__class__\nbase = type(torch.zeros(0))\nmeta('T', (base,), {})\n",
              "derives from its own classes"),
             ("c = type(0)\nmeta = type(c)\nns = {}\nns['_' + '_match_args__'] = ('x',)\nmeta('A', (), ns)\n", "plain names"),
+            ("c = type(0)\nmeta = type(c)\nns = {}\nns['_' + '_module__'] = 'torch.distributed'\nmeta('A', (), ns)\n",
+             "leave `__module__` out"),
             ("c = torch.zeros(0).__class__\nmeta = c.__class__\nmeta('T', (), {})\n", None)]):
         bent = tmp_path / f"bent{n}.py"
         bent.write_text(head + body)

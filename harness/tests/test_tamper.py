@@ -107,6 +107,14 @@ def test_a_context_left_on_is_named():
         assert baseline.changes() == [f"os.getcwd() ('/', was {here!r})"]
     finally:
         os.chdir(here)
+    for name, (on, off, named) in {"set_deterministic_debug_mode": (1, 0, "torch.get_deterministic_debug_mode()"),
+                                   "set_autocast_xla_enabled": (True, False, "torch.is_autocast_enabled('xla')")}.items():
+        getattr(torch, name)(on)  # settings that no context changes, but a call the source check refuses does
+        try:
+            assert any(c.startswith(named) for c in baseline.changes()), baseline.changes()
+        finally:
+            getattr(torch, name)(off)
+    assert baseline.changes() == []
 
 
 def test_void_names_the_changes():

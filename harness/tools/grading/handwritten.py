@@ -161,7 +161,9 @@ ADVICE = {
                      "set_multithreading_enabled", "set_stream", "erase_step_count", "increment_step",
                      "set_sync_debug_mode", "set_warn_on_accumulate_grad_stream_mismatch",
                      "reset_max_memory_cached", "reset_peak_host_memory_stats", "default_generator",
-                     "manual_seed_all", "seed_all", "set_rng_state_all", "fork_rng", "initial_seed", "chdir"),
+                     "manual_seed_all", "seed_all", "set_rng_state_all", "fork_rng", "initial_seed", "chdir",
+                     "seed", "set_deterministic_debug_mode", "set_autocast_ipu_dtype", "set_autocast_ipu_enabled",
+                     "set_autocast_xla_dtype", "set_autocast_xla_enabled", "set_printoptions", "set_vital"),
                     "an FSDP changes no process-wide setting, registry or filter (train.py sets them): use "
                     "`with torch.no_grad():` where gradients must not be recorded"),
     # Ops hidden from the dispatcher's Python modes, where the collective log and its FSDP2 check run.
@@ -1096,6 +1098,9 @@ class _Check:
                 return Outside(f"{where} makes a class with type() from a namespace it does not show: write the "
                                "class out (class Name(Base): ...), or pass a dict literal with written-out names")
             for key in namespace.keys:
+                if key.value == "__module__":
+                    return Outside(f"{where} makes a class with `__module__`: a class of the file belongs to the file "
+                                   "(one that names torch's module passes for torch's); leave it out")
                 if key.value in PICKLING_HOOKS:
                     return Outside(f"{where} makes a class with `{key.value}`: {_PICKLE_ADVICE}")
                 if _dunder(key.value) and key.value not in ALLOWED_METHODS:

@@ -104,6 +104,7 @@ def settings() -> dict[str, object]:
              "torch.get_default_dtype()": torch.get_default_dtype(),
              "torch.get_default_device()": torch.get_default_device(),
              "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+             "torch.get_deterministic_debug_mode()": torch.get_deterministic_debug_mode(),
              "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
              "torch function modes": len(_get_current_function_mode_stack()),
              "torch dispatch modes": len(_get_current_dispatch_mode_stack()),
@@ -112,7 +113,7 @@ def settings() -> dict[str, object]:
              "sys.gettrace()": sys.gettrace(), "sys.getprofile()": sys.getprofile(),
              "threading.gettrace()": threading.gettrace(), "threading.getprofile()": threading.getprofile(),
              "os.getcwd()": os.getcwd()}
-    for device in ("cpu", "cuda"):
+    for device in ("cpu", "cuda", "xla", "ipu"):
         found[f"torch.is_autocast_enabled({device!r})"] = torch.is_autocast_enabled(device)
         found[f"torch.get_autocast_dtype({device!r})"] = torch.get_autocast_dtype(device)
     return found
