@@ -405,6 +405,11 @@ def test_an_op_run_through_a_dispatch_mode_counts_once():
     assert [e["name"] for e in t.ops] == ["c10d::allgather_"] and t.c10d_calls == {"c10d::allgather_": 1}
     assert sorted((e["name"], e["ts"]) for e in t.ranges) == [
         ("ProfilerStep#1", 0), ("aten::empty", 13), ("aten::mul", 60), ("aten::mul", 63), ("c10d::allgather_", 10)]
+    # A program's record_function ranges so named (user annotations) are neither an op nor a mode: they hide no op.
+    forged = [x("ProfilerStep#1", 0, 100, "user_annotation"), x("c10d::allgather_", 10, 40, "user_annotation"),
+              x("PythonDispatchMode", 11, 38, "user_annotation"), x("c10d::allgather_", 12, 36)]
+    t = Trace({"traceEvents": forged})
+    assert [(e["name"], e["ts"]) for e in t.ops] == [("c10d::allgather_", 12)] and t.c10d_calls == {"c10d::allgather_": 1}
 
 
 def test_marked_compute_counts_only_the_models(tmp_path):

@@ -124,10 +124,12 @@ def without_mode_redispatch(events: list[dict]) -> list[dict]:
         for e in sorted(on, key=lambda e: (e["ts"], -e["dur"])):
             while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
                 stack.pop()
-            if e["name"] == DISPATCH_MODE:
-                dropped.add(id(e))
-            elif len(stack) >= 2 and stack[-1]["name"] == DISPATCH_MODE and stack[-2]["name"] == e["name"]:
-                dropped.add(id(e))
+            if e.get("cat") == "cpu_op":  # the profiler's own ranges: a program's record_function is a user_annotation
+                if e["name"] == DISPATCH_MODE:
+                    dropped.add(id(e))
+                elif len(stack) >= 2 and stack[-1]["name"] == DISPATCH_MODE and stack[-1].get("cat") == "cpu_op" \
+                        and stack[-2]["name"] == e["name"] and stack[-2].get("cat") == "cpu_op":
+                    dropped.add(id(e))
             stack.append(e)
     return [e for e in events if id(e) not in dropped]
 
@@ -163,13 +165,16 @@ class Trace:
         self.phases = Ranges((e["ts"], e["ts"] + e["dur"], labels[e["name"]])
                              for e in annotations if e["name"] in labels)
         # c10d ops of every thread: on CUDA, FSDP's backward hooks run on autograd's device thread.
-        self.ops = sorted((e for e in self.ranges if e["name"] in C10D_OPS), key=lambda e: e["ts"])
+        # (the dispatcher's: a program's record_function range so named is a user_annotation, not an op)
+        self.ops = sorted((e for e in self.ranges if e["name"] in C10D_OPS and e.get("cat") == "cpu_op"),
+                          key=lambda e: e["ts"])
         # every collective op the dispatcher ran, of whatever kind or namespace (waits move no data): what the
         # graded profiled run compares with FSDP2's whole, so no data moves in it beside the collectives
         # the analysis reads (a functional collective, a broadcast)
         self.c10d_calls: dict[str, int] = {}
         for e in self.ranges:
-            if e["name"].startswith(("c10d::", "_c10d_functional::")) and not e["name"].endswith(("::wait", "::wait_tensor")):
+            if e["name"].startswith(("c10d::", "_c10d_functional::")) and e.get("cat") == "cpu_op" \
+                    and not e["name"].endswith(("::wait", "::wait_tensor")):
                 self.c10d_calls[e["name"]] = self.c10d_calls.get(e["name"], 0) + 1
         self.kernels = [e for e in self.ranges if e.get("cat") == "kernel"]
         self.cuda = bool(self.kernels)
