@@ -2,6 +2,7 @@
 analysis CLI): on real CPU traces of FSDP2, and on small synthetic traces."""
 
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -388,6 +389,37 @@ def test_collective_log_puts_work_back_under_the_same_names():
             assert [getattr(getattr(dist.Work, n), attr) for n in plain] == [getattr(plain[n], attr) for n in plain], attr
         raise RuntimeError("training failed")
     assert {name: getattr(dist.Work, name) for name in plain} == plain
+
+
+MOVED_OUTPUT = """
+import os, torch, torch.distributed as dist
+from harness.tools.grading.jobs import CommLog
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
+x, out = torch.ones(1 << 16), torch.zeros(1 << 16)
+log = CommLog()
+with log:
+    work = dist.all_gather_into_tensor(out, x, async_op=True)
+    before = out.data_ptr()
+    out.untyped_storage().resize_(out.untyped_storage().nbytes())  # the same size, elsewhere
+    assert out.data_ptr() != before, "the storage did not move"
+    out[-1].item()
+    work.wait()
+print(log.problems)
+"""
+
+
+def test_collective_log_follows_an_output_that_moved():
+    """A collective's output whose storage was resized in place (its bytes moved, which no op shows) is still its
+    output: reading it before the wait is named there ([Note: a collective's result read before its wait])."""
+    import subprocess
+    import sys
+
+    from harness.distributed import free_port
+
+    proc = subprocess.run([sys.executable, "-c", MOVED_OUTPUT], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PORT": str(free_port())})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reads the output of an asynchronous all-gather before its work handle" in proc.stdout, proc.stdout
 
 
 def test_an_op_run_through_a_dispatch_mode_counts_once():

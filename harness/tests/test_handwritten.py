@@ -201,7 +201,7 @@ HONEST = {
         '        e.record()\n'
         '        x.record_stream(s)\n'
         '        torch.cuda.synchronize()\n'
-        '    return x.cpu(), x.grad, x.storage, x.flatten(), x.device.type\n'
+        '    return x.cpu(), x.grad, x.flatten(), x.device.type\n'
     ),
 }
 
@@ -298,9 +298,15 @@ OUTSIDE = {
     "class_claims_a_module": ("A = type('A', (object,), {'__module__': 'torch.distributed'})\n", 1,
                               "makes a class with `__module__`"),
     "storage_bytes_read": ("import torch\ndef f(t):\n    return t.untyped_storage()[0]\n", 3,
-                           "uses `t.untyped_storage()` for more than .resize_(), .size(), .nbytes(), .data_ptr()"),
+                           "uses `t.untyped_storage()` other than by calling .resize_(), .size(), .nbytes(), .data_ptr()"),
     "storage_bytes_read_through_a_name": ("import torch\ndef f(t):\n    s = t.untyped_storage()\n    s.resize_(8)\n"
-                                          "    return bytes(s)\n", 3, "uses `t.untyped_storage()` for more than"),
+                                          "    return bytes(s)\n", 3, "uses `t.untyped_storage()` other than by calling"),
+    "storage_through_a_global": ("import torch\ndef keep(t):\n    global s\n    s = t.untyped_storage()\n    s.resize_(4)\n"
+                                 "def read():\n    return s[0]\n", 4, "uses `t.untyped_storage()` other than by calling"),
+    "storage_returned_by_resize": ("import torch\ndef f(t):\n    return bytes(t.untyped_storage().resize_(4))\n", 3,
+                                   "uses `t.untyped_storage()` other than by calling"),
+    "typed_storage_uncalled": ("import torch\ndef f(t):\n    get = t.storage\n    return get()\n", 3,
+                               "takes `t.storage`, a tensor's typed storage"),
     "typed_storage": ("import torch\ndef f(t):\n    return t.storage().size()\n", 3, "calls `t.storage()`, a typed storage"),
     "storage_getter_uncalled": ("import torch\nget = torch.Tensor.untyped_storage\n", 2,
                                 "takes `torch.Tensor.untyped_storage` without calling it"),

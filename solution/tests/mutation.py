@@ -694,13 +694,13 @@ SOURCE_CHEATS.update({
 })
 # A tenth round's.
 SOURCE_CHEATS.update({
-    # An all-gather's output polled through its storage's bytes, which torch's dispatcher (and the collective log
-    # on it) never sees read: the poll is a wait no mark shows.
+    # An all-gather's output polled through its storage (a poll is a wait no mark shows; what a storage is used for
+    # is kept to what the collective log can follow).
     'poll-through-the-storage': 'import torch\n\n\ndef arrived(flat):\n    return flat.untyped_storage()[0] != 0\n\n\n'
                                 'def wait_by_polling(flat):\n    while not arrived(flat):\n        pass\n',
 })
 SOURCE_REFUSALS.update({
-    'poll-through-the-storage': 'uses `flat.untyped_storage()` for more than',
+    'poll-through-the-storage': 'uses `flat.untyped_storage()` other than by calling',
 })
 SOURCE_REFUSALS.update({
     'warning-reads-a-file': 'uses `redirect_stderr`',

@@ -244,7 +244,8 @@ def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory
     for name, cfg in (("fsdp2", as_fsdp2(cfg_effdl)), ("effdl", cfg_effdl)):
         cfg = dataclasses.replace(cfg, traces_dir=folder / name / "traces", profile_memory=memory,
                                   snapshots_dir=folder / name / "snapshots" if memory else None)
-        # unobserved: the trace as the program runs. The model's compute is marked under a name the file
+        # without Probes (the collective log alone: see train_job): the trace as the program runs. The model's
+        # compute is marked under a name the file
         # under test cannot know (drawn here for each run), so it cannot mark its own ops as compute.
         if name == "fsdp2":
             results[name], stats[name] = run_fsdp2(pool, train_job, cfg, False, FSDP2_MARK, analysed=True,
@@ -374,7 +375,7 @@ def check_hsdp(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, fold
         if (param_dtype, reduce_dtype) == PRECISIONS[0]:
             # Overlap and memory once, in the first precision case (4 ranks on a small machine are slow; the
             # schedule and the buffers a 2-D mesh adds do not depend on the dtypes, which tasks 2 and 3 grade).
-            # The overlap from a profiled run of its own: the graded run's observers would show in its trace.
+            # The overlap from a profiled run of its own: the graded run's Probes would show in its trace.
             profiled = dataclasses.replace(cfg, num_steps=2, profile_steps=1)  # step 1 initialises
             profiles = run_profiled(pool, profiled, folder, what)[0]
             overlap = [assert_overlap(profiles, which) for which in ("forward", "backward")]

@@ -227,12 +227,13 @@ SUBCLASSED_BASES = (torch.nn.Module, torch.autograd.Function, enum.Enum, BaseExc
 # [Note: a storage's bytes]
 # A tensor's storage is how an FSDP frees the gathered parameters and gets the memory back
 # (`x.untyped_storage().resize_(0)`, FSDP2's way), and how it tells whether two tensors share memory
-# (`.data_ptr()`). Its bytes read in Python (`storage[i]`, `bytes(storage)`, iterating or printing it) are
-# read without torch's dispatcher, where the collective log checks that no collective's output is read
-# before its work handle was waited for (a poll until the result is there is a wait the overlap check
-# cannot see; jobs.py's [Note: a collective's result read before its wait]). So a storage is used only as
-# the receiver of STORAGE_USES, in place or through a name read nowhere else, and a typed storage
-# (`x.storage()`) not at all.
+# (`.data_ptr()`). Anything else done with it is memory the collective log follows only through tensors:
+# a storage read through, handed around or resized while a collective writes into it moves or exposes
+# the collective's output where no op shows it (the log's check that no output is read before its work
+# handle was waited for: jobs.py's [Note: a collective's result read before its wait]; the log follows a
+# resize too, this keeps what it must follow small). So a storage is used only as the receiver of
+# STORAGE_USES (resize_, which returns the storage, as a statement of its own), in place or through a
+# function's local name read nowhere else, and a typed storage (`x.storage()`) not at all.
 STORAGE_GETTERS = ("untyped_storage", "storage")
 STORAGE_USES = ("resize_", "size", "nbytes", "data_ptr")
 _STORAGE_USES = ", ".join(f".{n}()" for n in STORAGE_USES)
@@ -660,27 +661,30 @@ class _Check:
                        f"name this file defines: {_PUBLIC_API}")
 
     def storage_problem(self, node: ast.Attribute) -> str | None:
-        """`x.untyped_storage()` only to free, re-allocate or locate the memory (harness/tools/grading/handwritten.py, [Note: a storage's bytes])."""
+        """`x.untyped_storage()` only to free, re-allocate or locate the memory (see [Note: a storage's bytes])."""
         where = self.where(node)
         call = self.parents.get(id(node))
+        note = "(harness/tools/grading/handwritten.py, [Note: a storage's bytes])"
         if node.attr == "storage":
             if isinstance(call, ast.Call) and call.func is node:
                 return Outside(f"{where} calls `{ast.unparse(node)}()`, a typed storage: use x.untyped_storage() and "
-                               f"call {_STORAGE_USES} on it (harness/tools/grading/handwritten.py, [Note: a storage's bytes])")
-            return None  # the file's own attribute so named, or the module torch.storage (refused as a module)
+                               f"call {_STORAGE_USES} on it {note}")
+            if isinstance(self.resolve(node), types.ModuleType) or isinstance(node.value, ast.Name) and node.value.id == "self":
+                return None  # the module torch.storage (refused as a module), or the file's own attribute
+            return Outside(f"{where} takes `{ast.unparse(node)}`, a tensor's typed storage: use x.untyped_storage() and "
+                           f"call {_STORAGE_USES} on it {note}")
         if not (isinstance(call, ast.Call) and call.func is node):
             return Outside(f"{where} takes `{ast.unparse(node)}` without calling it: write x.untyped_storage() and call "
-                           f"{_STORAGE_USES} on it (harness/tools/grading/handwritten.py, [Note: a storage's bytes])")
+                           f"{_STORAGE_USES} on it {note}")
         if self.storage_used(call):
             return None
-        return Outside(f"{where} uses `{ast.unparse(call)}` for more than {_STORAGE_USES}: a storage's bytes read "
-                       "in Python (indexing, bytes(), iterating, printing) bypass torch's dispatcher, where the "
-                       "collective log checks that no collective's output is read before its wait; read tensors "
-                       "instead (harness/tools/grading/handwritten.py, [Note: a storage's bytes])")
+        return Outside(f"{where} uses `{ast.unparse(call)}` other than by calling {_STORAGE_USES} on it (resize_ as a "
+                       f"statement of its own, the storage in place or in a local name used only so): {note}")
 
     def storage_used(self, expr: ast.expr) -> bool:
-        """A storage used only as the receiver of STORAGE_USES: in place, or bound to a name (`s = x.untyped_storage()`,
-        `(s := x.untyped_storage()).size()`) read nowhere else in its scope."""
+        """A storage used only as the receiver of STORAGE_USES: in place, or bound to a function's local name
+        (`s = x.untyped_storage()`, `(s := x.untyped_storage()).size()`) that the file reads nowhere else and
+        declares global or nonlocal nowhere."""
         parent = self.parents.get(id(expr))
         if isinstance(parent, ast.NamedExpr) and parent.value is expr:
             return self.storage_used(parent) and self.storage_name_used(parent.target.id, parent)
@@ -690,16 +694,23 @@ class _Check:
         return self.storage_receiver(expr)
 
     def storage_receiver(self, expr: ast.expr) -> bool:
+        """`expr.<one of STORAGE_USES>(...)`; resize_ (which returns the storage) as a statement of its own."""
         parent = self.parents.get(id(expr))
         return isinstance(parent, ast.Attribute) and parent.value is expr and parent.attr in STORAGE_USES \
-            and isinstance(call := self.parents.get(id(parent)), ast.Call) and call.func is parent
+            and isinstance(call := self.parents.get(id(parent)), ast.Call) and call.func is parent \
+            and (parent.attr != "resize_" or isinstance(self.parents.get(id(call)), ast.Expr))
 
     def storage_name_used(self, name: str, binding: ast.AST) -> bool:
-        scope = binding
-        while scope is not None and not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Module)):
+        scope = self.parents.get(id(binding))
+        while scope is not None and not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                                           ast.Lambda, ast.Module)):
             scope = self.parents.get(id(scope))
-        return all(self.storage_receiver(n) for n in ast.walk(scope if scope is not None else self.tree)
-                   if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load))
+        if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return False  # a module's or a class's name is an attribute anyone may read
+        nodes = list(ast.walk(self.tree))
+        return not any(isinstance(n, (ast.Global, ast.Nonlocal)) and name in n.names for n in nodes) and \
+            all(self.storage_receiver(n) for n in nodes if isinstance(n, ast.Name) and n.id == name
+                and isinstance(n.ctx, ast.Load))
 
     def format_problem(self, node: ast.AST) -> str | None:
         """str.format reads the attributes and items its fields name (`{0.__globals__}`): only a

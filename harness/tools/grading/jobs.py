@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import secrets
 import weakref
 
 import torch
@@ -143,9 +144,10 @@ class CommLog(TorchDispatchMode):
         self.groups: list[tuple[int, ...] | None] = []  # each event's process group
         self.uses_fsdp2: str | None = None
         self.problems: list[str] = []
-        # id(work) -> (work, the byte ranges its collective writes, kind): see [Note: a collective's result read
-        # before its wait]
-        self.pending: dict[int, tuple[object, list[tuple[int, int]], str]] = {}
+        # id(work) -> (work, the tensors its collective writes, kind): see [Note: a collective's result read
+        # before its wait]. The tensors, not their addresses: a storage resized in place moves its bytes, and
+        # its tensors with them, where no op shows it.
+        self.pending: dict[int, tuple[object, list[torch.Tensor], str]] = {}
         self._unwatch = None
 
     def __enter__(self):
@@ -164,7 +166,7 @@ class CommLog(TorchDispatchMode):
                     pending.pop(id(work), None)
                 return done
 
-            return named_as(original, asked)  # a program cannot tell from its name that the log is on
+            return named_as(original, asked)  # as the marks' are: the log tells no run from another by a name
 
         self._unwatch = lambda: [setattr(dist.Work, n, f) for n, f in originals.items()]
         try:
@@ -214,11 +216,12 @@ class CommLog(TorchDispatchMode):
             works = [w for w in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(w, torch.ScriptObject)]
             if works and ns == "c10d" and name in _COLLECTIVES:  # their first argument is what they write
                 work = dist.Work.unbox(works[0])
-                self.pending[id(work)] = (work, [r for t in _tensors(args[0]) if (r := _extent(t))], kind)
+                self.pending[id(work)] = (work, list(_tensors(args[0])), kind)
             return out
         if self.pending and not self.problems and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
             read = [r for t in _tensors((args, kwargs)) if type(t) in _PLAIN and (r := _extent(t))]
-            for work, written, kind in self.pending.values():
+            for work, outputs, kind in self.pending.values():
+                written = [r for t in outputs if (r := _extent(t))]  # where they are now
                 if any(a < d and c < b for a, b in read for c, d in written):
                     phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
                     self.problems.append(
@@ -490,25 +493,41 @@ class Memory:
 
 def memory_job(cfg: train.Config) -> Memory:
     """This rank's memory per step: on CPU what memory.TensorPeaks counts (the same on every
-    platform), on CUDA the caching allocator's peak and current allocated bytes."""
+    platform), on CUDA the caching allocator's peak and current allocated bytes. Under the same
+    instruments as a profiled run (the collective log, the marks of waits and of the model's compute,
+    under a mark drawn here), so that a program cannot tell the run its memory is judged on from the one
+    its overlap is judged on (and prefetch everything in one, nothing in the other); a read of a
+    collective's output before its wait fails here too."""
     live, held = [], []
     device = current_device(cfg.device)
-    if device.type == "cuda":
-        def inspect(model: nn.Module, step: int) -> None:
-            if step:
-                live.append(live_tensor_bytes())
-                held.append(torch.cuda.memory_allocated(device))
+    log = CommLog()
+    mark = f"## model compute {secrets.token_hex(16)} ##"
+    with marked_waits(), log, contextlib.ExitStack() as marks:
+        def instrument(model: nn.Module, step: int) -> None:
+            if step == 0:
+                marks.enter_context(marked_compute(model, mark))
+            log.step = step + 1
 
-        peaks = train.train(cfg, inspect=inspect).peak_memory
-    else:
-        with memory.TensorPeaks() as tp:
+        if device.type == "cuda":
             def inspect(model: nn.Module, step: int) -> None:
-                tp.mark()  # step 0: the model is built and wrapped
+                instrument(model, step)
                 if step:
                     live.append(live_tensor_bytes())
+                    held.append(torch.cuda.memory_allocated(device))
 
-            train.train(cfg, inspect=inspect)
-        peaks, held = tp.peaks[1:], tp.levels[1:]
+            peaks = train.train(cfg, inspect=inspect).peak_memory
+        else:
+            with memory.TensorPeaks() as tp:
+                def inspect(model: nn.Module, step: int) -> None:
+                    instrument(model, step)
+                    tp.mark()  # step 0: the model is built and wrapped
+                    if step:
+                        live.append(live_tensor_bytes())
+
+                train.train(cfg, inspect=inspect)
+            peaks, held = tp.peaks[1:], tp.levels[1:]
+    if log.problems:
+        raise AssertionError("; ".join(log.problems[:3]))
     # The margins' sizes, from the analytic model the report and the fit estimate share: one block's
     # padded flat buffer, in the reduce dtype (its reduce-scatter input) and in the larger dtype.
     # After training, which makes the tokenizer whose vocabulary this reads on a fresh checkout.

@@ -108,7 +108,8 @@ class Ranges:
 # Under a Python dispatch mode (the graded runs' collective log, jobs.CommLog), the profiler records each op
 # twice: the op as called, then `PythonDispatchMode` (the mode's Python code), then the same op again where the
 # mode runs it. Only the outer one is the program's call: the two inside are dropped (what the op itself runs,
-# nested further in, stays), so a trace reads the same with a mode on as without one.
+# nested further in, stays), so a collective is one issue with a mode on as without one. (Where autograd's own
+# range sits between an op and the mode, a compute op keeps its duplicate: compute counts by order only.)
 DISPATCH_MODE = "PythonDispatchMode"
 
 
