@@ -12,13 +12,13 @@ has been run against deliberately broken variants of a correct FSDP and fails th
 from __future__ import annotations
 
 import dataclasses
-import secrets
 
 import torch
 
 import train
 from harness.tools.grading import fsdp2_cache, handwritten
 from harness.tools.traces.analysis import RunStats, analyze_run
+from harness.tools.traces.schedule import drawn_mark
 from harness.tools.grading.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
                                    tensor_difference, ulps)
 from harness.tools.grading.jobs import Run, forward_job, memory_job, odd_shapes_job, shard_job, train_job
@@ -102,6 +102,14 @@ def measure_shard(pool: Ranks, cfg: train.Config):
 # --------------------------------------------------------------------------- task 1
 
 
+def assert_no_problems(runs: list, what: str) -> None:
+    """The first rank whose run found problems (the collective log's, the probes'), up to three of them."""
+    __tracebackhide__ = True
+    for rank, r in enumerate(runs):
+        if r.problems:
+            raise AssertionError(f"{what}: rank {rank}: " + "; ".join(r.problems[:3]))
+
+
 def check_forward(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str) -> str:
     """Task 1, forward: the first forward's loss bit-identical to FSDP2's on every rank, parameters
     Shard(0) DTensors before and the blocks' after, each block's gathered parameters freed after
@@ -110,9 +118,8 @@ def check_forward(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str) -
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     what = describe(cfg, pool.world_size) + ", first forward"
     ref, got = run_graded(pool, forward_job, cfg)
+    assert_no_problems(got, what)
     for rank, (a, b) in enumerate(zip(ref, got)):
-        if b.problems:
-            raise AssertionError(f"{what}: rank {rank}: " + "; ".join(b.problems[:3]))
         if a.forward_loss != b.forward_loss:
             raise AssertionError(f"{what}: rank {rank}'s loss is {b.forward_loss!r}, FSDP2's {a.forward_loss!r} "
                                  f"({ulps(a.forward_loss, b.forward_loss)}): the gathered parameters differ "
@@ -136,9 +143,7 @@ def compare_step(pool: Ranks, cfg, what: str) -> tuple[list, list[str]]:
     runs, and the evidence of each phase's collectives."""
     __tracebackhide__ = True
     ref, got = run_graded(pool, train_job, cfg)
-    for rank, r in enumerate(got):
-        if r.problems:
-            raise AssertionError(f"{what}: rank {rank}: " + "; ".join(r.problems[:3]))
+    assert_no_problems(got, what)
     assert_same_numbers(ref[0].result, got[0].result, what)
     assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, measure_shard(pool, cfg))
     return got, [assert_same_comm(ref, got, phase, what, by_group=cfg.replicate > 1) for phase in ("forward", "backward")]
@@ -251,11 +256,9 @@ def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory
             results[name], stats[name] = run_fsdp2(pool, train_job, cfg, False, FSDP2_MARK, analysed=True,
                                                    mark=FSDP2_MARK)
         else:
-            mark = f"## model compute {secrets.token_hex(16)} ##"
+            mark = drawn_mark()
             results[name] = run(pool, train_job, cfg, False, mark)
-            for rank, r in enumerate(results[name]):
-                if r.problems:  # the collective log's, which is on in a profiled run too
-                    raise AssertionError(f"{what}, profiled: rank {rank}: " + "; ".join(r.problems[:3]))
+            assert_no_problems(results[name], f"{what}, profiled")  # the collective log's, on in a profiled run too
             stats[name] = analyze_run(cfg.traces_dir, mark=mark)
     return Profiles(what, stats["fsdp2"], stats["effdl"]), results
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import secrets
 import weakref
 
 import torch
@@ -26,7 +25,7 @@ from harness import assets, memory, memory_model, model_setup
 from harness.distributed import agree, current_device
 from harness.tools.grading import handwritten
 from harness.tools.grading.policy import config
-from harness.tools.traces.schedule import WORK_WAITS, marked_compute, marked_waits, named_as
+from harness.tools.traces.schedule import WORK_WAITS, drawn_mark, marked_compute, marked_waits, named_as
 
 
 # --------------------------------------------------------------------------- parameter shards
@@ -501,7 +500,7 @@ def memory_job(cfg: train.Config) -> Memory:
     live, held = [], []
     device = current_device(cfg.device)
     log = CommLog()
-    mark = f"## model compute {secrets.token_hex(16)} ##"
+    mark = drawn_mark()
     with marked_waits(), log, contextlib.ExitStack() as marks:
         def instrument(model: nn.Module, step: int) -> None:
             if step == 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import re
+import secrets
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +179,11 @@ def marked_waits():
 MODEL_BACKWARD = re.compile(r"^\w+Backward\d+$")
 NOT_COMPUTE = " (not compute)"
 """after the mark: a forward of the model's own leaf whose class or tables were changed, counted, not compute."""
+
+
+def drawn_mark() -> str:
+    """A name for `marked_compute`'s ranges that the file under test cannot know: drawn for each run."""
+    return f"## model compute {secrets.token_hex(16)} ##"
 
 
 @contextlib.contextmanager
