@@ -356,49 +356,66 @@ def test_schedule_reads_the_hsdp_names():
     assert GROUP_RANGE.match("FSDP::all_gather (layers.0) [shard]")["fqn"] == "layers.0"
 
 
-def test_marked_waits_puts_work_wait_back():
-    """The ranks run other jobs after a profiled one: Work's ways to wait are marked only inside the `with`."""
-    import torch.distributed as dist
+def gates() -> dict[str, list]:
+    """What each gated place holds (the gates once put there)."""
+    schedule.gate_collectives()
+    return {route: [getattr(owner, name) for owner in owners] for route, owners, name in schedule._gated_places()}
 
-    names = schedule.WORK_WAITS
-    plain = {name: getattr(dist.Work, name) for name in names}
-    barrier = dist.barrier
-    issuing = {name: getattr(dist.ProcessGroup, name) for name in schedule._ISSUING}
+
+def test_marked_waits_routes_the_gates_only_inside():
+    """The ranks run other jobs after a profiled one: Work's ways to wait, the issues and the barrier are marked
+    only inside the `with`, through gates that never move and are named as the plain methods (a program cannot
+    tell from an object or a name that it runs under the marks)."""
+    held = gates()
+    plain = {route: schedule.current(route) for route in held}
     with pytest.raises(RuntimeError, match="training failed"), schedule.marked_waits():
-        assert all(getattr(dist.Work, name) is not plain[name] for name in names) and dist.barrier is not barrier
-        assert all(getattr(dist.ProcessGroup, name) is not issuing[name] for name in issuing)
-        # named as what they stand in for: a program cannot tell from a name that it runs under the marks
-        assert [getattr(dist.Work, n).__qualname__ for n in names] == [plain[n].__qualname__ for n in names]
-        assert dist.barrier.__qualname__ == barrier.__qualname__
+        assert all(schedule.current(route) is not plain[route] for route in held)
+        assert gates() == held
         raise RuntimeError("training failed")
-    assert {name: getattr(dist.Work, name) for name in names} == plain and dist.barrier is barrier
-    assert {name: getattr(dist.ProcessGroup, name) for name in issuing} == issuing
+    assert {route: schedule.current(route) for route in held} == plain and gates() == held
+    for route, places in held.items():
+        assert all(p.__qualname__ == plain[route].__qualname__ and p.__module__ == plain[route].__module__
+                   for p in places), route
 
 
-def test_collective_log_puts_work_back_under_the_same_names():
-    """The collective log watches the same ways to wait as the marks, named as the plain methods (a program that
-    found the log's own names could poll only where it is off), and puts them back however it ends."""
-    import torch.distributed as dist
-
+def test_collective_log_routes_the_gates_only_inside():
+    """The collective log watches the same ways to wait as the marks, through the same gates, and puts their
+    routes back however it ends."""
     from harness.tools.grading.jobs import CommLog
 
-    plain = {name: getattr(dist.Work, name) for name in schedule.WORK_WAITS}
+    held = gates()
+    plain = {name: schedule.current(f"Work.{name}") for name in schedule.WORK_WAITS}
     with pytest.raises(RuntimeError, match="training failed"), CommLog():
-        assert all(getattr(dist.Work, name) is not plain[name] for name in plain)
-        for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
-            assert [getattr(getattr(dist.Work, n), attr) for n in plain] == [getattr(plain[n], attr) for n in plain], attr
+        assert all(schedule.current(f"Work.{name}") is not plain[name] for name in plain) and gates() == held
         raise RuntimeError("training failed")
-    assert {name: getattr(dist.Work, name) for name in plain} == plain
+    assert {name: schedule.current(f"Work.{name}") for name in plain} == plain and gates() == held
+
+
+def test_a_method_kept_from_before_goes_through_the_instruments():
+    """A file that keeps Work.wait from its import (before any instrument was on) still waits through the
+    instrument on at the time of the call ([Note: gates put in place before the file])."""
+    import torch.distributed as dist
+
+    gates()
+    kept = dist.Work.wait
+    seen = []
+    with schedule.routed({"Work.wait": lambda work: seen.append(work)}):
+        kept("the work")
+    assert seen == ["the work"]
 
 
 MOVED_OUTPUT = """
 import os, torch, torch.distributed as dist
 from harness.tools.grading.jobs import CommLog
+from harness.tools.traces import schedule
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
 x, out = torch.ones(1 << 16), torch.zeros(1 << 16)
 log = CommLog()
+done = schedule.current("Work.is_completed")  # the plain method, which the log does not see
 with log:
     work = dist.all_gather_into_tensor(out, x, async_op=True)
+    while not done(work):  # finished before its output moves: gloo would write where it no longer is
+        pass
     before = out.data_ptr()
     out.untyped_storage().resize_(out.untyped_storage().nbytes())  # the same size, elsewhere
     assert out.data_ptr() != before, "the storage did not move"

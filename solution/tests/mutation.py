@@ -78,6 +78,17 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            # endregion\n        self.state = ShardedState.GATHERING\n\n    def wait_for_unshard",
         "            # endregion\n        self.state = ShardedState.GATHERING\n"
         "        while not self.pending_gather.work.is_completed():\n            pass\n\n    def wait_for_unshard")],
+    # Waits for the all-gather right after the issue with Work.wait kept from the file's import (before any
+    # instrument was on), then asks is_completed(), which finds it done: unless every call goes through what is
+    # on at the time (schedule's [Note: gates put in place before the file]), no mark shows the wait, and the
+    # later wait() in all_gather_copy_out looks overlapped (a red-team file earned tasks 2 and 3 so).
+    "wait-with-a-method-kept-from-import": [(
+        "from torch.profiler import record_function\n",
+        "from torch.profiler import record_function\n\n_WAIT = dist.Work.wait\n"), (
+        "            # endregion\n        self.state = ShardedState.GATHERING\n\n    def wait_for_unshard",
+        "            # endregion\n        self.state = ShardedState.GATHERING\n"
+        "        _WAIT(self.pending_gather.work)\n        self.pending_gather.work.is_completed()\n\n"
+        "    def wait_for_unshard")],
     # No prefetch: each group's all-gather issued in its own pre-forward and waited for after a token op
     # outside FSDP's ranges, which is not the model's compute (schedule's [Note: what counts as compute]).
     "token-compute-forward": [(

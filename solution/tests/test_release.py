@@ -22,9 +22,10 @@ STUDENT_TOP_LEVEL = {".ci", ".github", ".gitignore", ".python-version", ".vscode
                      "harness", "pyproject.toml", "snapshots", "test.py", "traces", "train.py", "uv.lock"}
 
 
-# harness tests whose subject is the student's checkout itself: its files, commands, data, the
-# handout's command and the points table (with the skeleton as the file under test there)
-STUDENT_CHECKOUT_TESTS = ("test_layout", "test_cli", "test_assets", "test_handout", "test_points", "test_docs")
+# harness tests whose subject is the student's checkout itself: its files, commands, data and the
+# handout's commands. The points table there is the classroom steps' below (its rules are the same
+# conftest's, tested in this repository's session).
+STUDENT_CHECKOUT_TESTS = ("test_layout", "test_cli", "test_assets", "test_handout", "test_docs")
 
 
 def uv() -> list[str]:

@@ -139,6 +139,9 @@ def _worker(role: str, rank: int, world_size: int, port: int, device: str, threa
 
         torch.set_num_threads(threads)
         init_distributed(device)
+        from harness.tools.traces.schedule import gate_collectives
+
+        gate_collectives()  # before any job, so before any file under test is imported (its [Note])
         if data:  # what the process runs before any file under test is imported (tamper.py)
             from harness.tools.grading import jobs, tamper  # noqa: F401  (the jobs' code is in the baseline)
 

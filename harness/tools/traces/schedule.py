@@ -19,6 +19,7 @@ import secrets
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -88,16 +89,75 @@ def named_as(plain, marking):
     return marking
 
 
+# [Note: gates put in place before the file]
+# The marks (marked_waits) and the collective log (jobs.CommLog) stand in for Work's ways to wait, the
+# process group's ways to issue and the barrier, each for its own extent. Were they set on the classes for
+# that extent only, a file could keep the plain method it found at import (`_wait = dist.Work.wait`), wait
+# with it where no mark shows, then call wait() again later, where the wait looks overlapped (a red-team
+# file earned every point of tasks 2 and 3 so, with no prefetch at all). So each of these places holds a
+# gate, put there before any file under test is imported (`gate_collectives`, a rank's first act after its
+# process group is up) and never taken away, and an instrument routes the gates for its extent (`routed`):
+# whatever object a file kept, its call goes through what is installed at the time of the call. A gate is
+# named as the method it stands for; the plain methods are held here only, where a file cannot reach.
+
+_ROUTES: dict[str, Callable] = {}
+"""per gated place ("Work.wait", "ProcessGroup.allgather", "barrier"): what its gate calls now."""
+
+
+def _gated_places() -> list[tuple[str, tuple, str]]:
+    """(route, the objects that hold it, attribute name) for every place an instrument stands in for."""
+    dist = torch.distributed
+    return ([(f"Work.{name}", (dist.Work,), name) for name in WORK_WAITS]
+            + [(f"ProcessGroup.{name}", (dist.ProcessGroup,), name) for name in _ISSUING]
+            + [("barrier", (dist, dist.distributed_c10d), "barrier")])  # one function under two names
+
+
+def gate_collectives() -> None:
+    """Put a gate in every place an instrument stands in for (once per process; see [Note: gates put in
+    place before the file])."""
+    if _ROUTES:
+        return
+    def gate_of(route: str):
+        def gate(*args, **kwargs):
+            return _ROUTES[route](*args, **kwargs)
+        return gate
+
+    for route, owners, name in _gated_places():
+        _ROUTES[route] = plain = getattr(owners[0], name)
+        gate = named_as(plain, gate_of(route))
+        for owner in owners:
+            setattr(owner, name, gate)
+
+
+def current(route: str) -> Callable:
+    """What the gate of `route` calls now (the plain method when no instrument is on)."""
+    gate_collectives()
+    return _ROUTES[route]
+
+
+@contextlib.contextmanager
+def routed(routes: dict[str, Callable]):
+    """Inside the `with`, each gate named in `routes` calls what `routes` gives it; afterwards what it
+    called before, however the `with` ends (the ranks run other jobs afterwards)."""
+    gate_collectives()
+    before = {route: _ROUTES[route] for route in routes}
+    _ROUTES.update(routes)
+    try:
+        yield
+    finally:
+        _ROUTES.update(before)
+
+
 @contextlib.contextmanager
 def marked_waits():
     """Every `Work.wait()` of the process shows in the trace as a range, named for whether the
     work was still running: a wait right after the issue, inside the same FSDP range (a blocking
     all-gather, `async_op=False`), is then seen even when no FSDP range marks it. So do the other
     ways to learn that a collective is done: `is_completed()` saying True after it said False (a loop
-    polling it waits as much as `wait()`), `get_future()`, `synchronize()`, `result()`, `block_current_stream()`. Only inside the `with`:
-    the ranks run other jobs afterwards, so the plain methods are put back however it ends."""
-    work = torch.distributed.Work
-    plain = {name: getattr(work, name) for name in WORK_WAITS}
+    polling it waits as much as `wait()`), `get_future()`, `synchronize()`, `result()`,
+    `block_current_stream()`, and a barrier. Only inside the `with` (through the gates: see [Note: gates
+    put in place before the file])."""
+    plain = {name: current(f"Work.{name}") for name in WORK_WAITS}
 
     running: set[int] = set()  # the Works is_completed() found running and nothing has waited for since
 
@@ -132,37 +192,26 @@ def marked_waits():
                 return plain[name](self, *args, **kwargs)
         return waits
 
-    c10d = torch.distributed.distributed_c10d
-    plain_barrier = c10d.barrier
+    plain_barrier = current("barrier")
 
     def barrier(*args, **kwargs):  # every rank waits for every other: a wait for whatever is in flight
         with torch.profiler.record_function(OTHER_WAIT):
             return plain_barrier(*args, **kwargs)
 
-    group = torch.distributed.ProcessGroup
-    issuing = {name: getattr(group, name) for name in _ISSUING}
-
     def issues(name):
+        issue_plainly = current(f"ProcessGroup.{name}")
+
         def issue(self, *args, **kwargs):
-            out = issuing[name](self, *args, **kwargs)
+            out = issue_plainly(self, *args, **kwargs)
             tag(ISSUED, out)
             return out
         return issue
 
-    for name in _ISSUING:
-        setattr(group, name, named_as(issuing[name], issues(name)))
-    work.wait, work.is_completed = named_as(plain["wait"], wait), named_as(plain["is_completed"], is_completed)
-    for name in WORK_WAITS[2:]:
-        setattr(work, name, named_as(plain[name], other(name)))
-    torch.distributed.barrier = c10d.barrier = named_as(plain_barrier, barrier)
-    try:
+    routes = {"Work.wait": wait, "Work.is_completed": is_completed, "barrier": barrier,
+              **{f"Work.{name}": other(name) for name in WORK_WAITS[2:]},
+              **{f"ProcessGroup.{name}": issues(name) for name in _ISSUING}}
+    with routed(routes):
         yield
-    finally:
-        for name, method in plain.items():
-            setattr(work, name, method)
-        for name, method in issuing.items():
-            setattr(group, name, method)
-        torch.distributed.barrier = c10d.barrier = plain_barrier
 
 
 # [Note: what counts as compute]
