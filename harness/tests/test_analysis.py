@@ -439,6 +439,37 @@ def test_collective_log_follows_an_output_that_moved():
     assert "reads the output of an asynchronous all-gather before its work handle" in proc.stdout, proc.stdout
 
 
+FOUND_DONE_AT_ONCE = """
+import os, torch, torch.distributed as dist
+from harness.tools.traces import schedule
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
+x, out = torch.ones(8), torch.zeros(8)
+unseen = schedule.current("Work.wait")  # the plain method: a wait the marks do not see (a guess, in a file)
+with torch.profiler.profile() as prof, schedule.marked_waits():
+    for ask in ("is_completed", "synchronize", "get_future", "wait"):
+        work = dist.all_gather_into_tensor(out, x, async_op=True)
+        unseen(work)
+        getattr(work, ask)()
+print(sum(e.name.startswith(schedule.FOUND_DONE) for e in prof.events()))
+"""
+
+
+def test_a_work_found_done_at_once_is_tagged_where_it_was_asked():
+    """A program that learnt by other means (a guess: spinning in Python) that a collective is done, then asks its
+    Work, reads the result from there: each way of asking (is_completed() saying True at once included) is tagged
+    there, which the schedule takes as the all-gather's wait (a red-team file asked is_completed() after a spin,
+    computed its own group, then called wait(), which looked overlapped)."""
+    import subprocess
+    import sys
+
+    from harness.distributed import free_port
+
+    proc = subprocess.run([sys.executable, "-c", FOUND_DONE_AT_ONCE], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PORT": str(free_port())})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "4", proc.stdout
+
+
 def test_an_op_run_through_a_dispatch_mode_counts_once():
     """Under a dispatch mode (the collective log, on in graded profiled runs) the profiler records an op, the
     mode's range, then the op again: the trace keeps the outer op and what it ran inside, so a collective is one

@@ -89,6 +89,20 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            # endregion\n        self.state = ShardedState.GATHERING\n"
         "        _WAIT(self.pending_gather.work)\n        self.pending_gather.work.is_completed()\n\n"
         "    def wait_for_unshard")],
+    # Tells the runs apart by its own history: no prefetch for the first model its process wraps (the memory
+    # job's, on fresh ranks), every group at once for any later one (the profiled runs', when they ran on the
+    # ranks that ran the other checks first): lean where memory is judged, overlapped where overlap is. The
+    # profiled runs run on fresh ranks too.
+    "prefetch-only-after-the-first-model": [(
+        "from torch.profiler import record_function\n",
+        "from torch.profiler import record_function\n\n_FIRST = []  # the first model's context this process saw\n"), (
+        "            ctx.forward_order.append(self.group)\n",
+        "            ctx.forward_order.append(self.group)\n            if not _FIRST:\n                _FIRST.append(ctx)\n"), (
+        "                order[i + 1].prefetch()\n",
+        "                for later in order[i + 1:] if _FIRST[0] is not ctx else []:\n                    later.prefetch()\n"), (
+        "            ctx.post_forward_order[index - 1].prefetch()\n",
+        "            for earlier in reversed(ctx.post_forward_order[:index]) if _FIRST[0] is not ctx else []:\n"
+        "                earlier.prefetch()\n")],
     # No prefetch: each group's all-gather issued in its own pre-forward and waited for after a token op
     # outside FSDP's ranges, which is not the model's compute (schedule's [Note: what counts as compute]).
     "token-compute-forward": [(

@@ -159,6 +159,7 @@ def test_overlap_check_fails_without_the_task(pool2, tmp_path, strip, fails, pas
     ("poll-all-gather-at-once", ["forward", "backward"], []),
     ("wait-work-at-once", ["forward", "backward"], []),
     ("wait-with-a-method-kept-from-import", ["forward", "backward"], []),
+    ("prefetch-only-after-the-first-model", ["forward", "backward"], []),
     ("token-compute-forward", ["forward"], ["backward"]),
     ("token-compute-backward", ["backward"], ["forward"]),
 ])

@@ -257,7 +257,11 @@ def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory
                                                    mark=FSDP2_MARK)
         else:
             mark = drawn_mark()
-            results[name] = run(pool, train_job, cfg, False, mark)
+            # On fresh ranks, as the memory job runs: a program cannot tell the run its overlap is judged on from
+            # the one its memory is by its own history (the first model it wraps in its process, say) and prefetch
+            # everything in one and nothing in the other.
+            with RankPool(pool.world_size, device=pool.device, role="sandboxed") as fresh:
+                results[name] = run(fresh, train_job, cfg, False, mark)
             assert_no_problems(results[name], f"{what}, profiled")  # the collective log's, on in a profiled run too
             stats[name] = analyze_run(cfg.traces_dir, mark=mark)
     return Profiles(what, stats["fsdp2"], stats["effdl"]), results

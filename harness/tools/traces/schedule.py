@@ -64,10 +64,11 @@ WAIT_MARKS = (BLOCKING_WAIT, DONE_WAIT, POLLED_DONE, OTHER_WAIT)
 HOOK_WAIT_MARKS = (POLLED_DONE, OTHER_WAIT)
 ISSUED, WAITED, FOUND_DONE = "Work issued #", "Work waited #", "Work found done #"
 """Each collective's own Work, tagged where it was issued, where the program waited for it while it ran (a
-blocking wait(), a poll that ended, get_future...) and where it called wait() on it once done: a wait the
+blocking wait(), a poll that ended, get_future...) and where it asked it once done (wait(), get_future...,
+an is_completed() that says True at once, after which the result may be read as well): a wait the
 FSDP's own ranges do not show (a program can open an empty `FSDP::all_gather_copy_out` range later) is
-still the collective's wait. An all-gather's first wait() of either kind is where its result was asked
-for; a reduce-scatter found done was not waited for (FSDP2's and the reference's `reduce_scatter_done`)."""
+still the collective's wait. An all-gather's first tag after its issue, of either kind, is where its result
+was asked for; a reduce-scatter found done was not waited for (FSDP2's and the reference's `reduce_scatter_done`)."""
 _ISSUING = ("_allgather_base", "allgather", "allgather_into_tensor_coalesced", "_reduce_scatter_base",
             "reduce_scatter", "reduce_scatter_tensor_coalesced", "allreduce")
 """the ProcessGroup methods behind every public all-gather, reduce-scatter and all-reduce."""
@@ -181,13 +182,14 @@ def marked_waits():
             tag(WAITED, self)
             with torch.profiler.record_function(POLLED_DONE):
                 pass
+        else:  # found done at once: the result may be read from here (a wait guessed by spinning, then asked)
+            tag(FOUND_DONE, self)
         return done
 
     def other(name):
         def waits(self, *args, **kwargs):
             running.discard(id(self))
-            if not plain["is_completed"](self):
-                tag(WAITED, self)
+            tag(FOUND_DONE if plain["is_completed"](self) else WAITED, self)
             with torch.profiler.record_function(OTHER_WAIT):
                 return plain[name](self, *args, **kwargs)
         return waits
