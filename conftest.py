@@ -97,11 +97,11 @@ def pytest_sessionstart(session):
     folder = Path(folder).resolve()
     pictures.clear_artifacts(folder)
 
-    def seen(case, runs):
+    def seen(case, runs, judged):
         effdl = runs.get("effdl")
         try:
             pictures.record_memory(folder, case, [m.peaks for m in runs["FSDP2"]], effdl and [m.peaks for m in effdl],
-                                   checks.allowance(runs["FSDP2"][0]))
+                                   checks.allowance(runs["FSDP2"][0]), judged)
         except Exception as e:  # a picture never costs a graded check; pictures.txt says it is missing
             print(f"--artifacts: could not record {case}'s peaks: {type(e).__name__}: {e}", file=sys.stderr)
     checks.memory_seen = seen

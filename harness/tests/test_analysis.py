@@ -379,16 +379,40 @@ def test_marked_waits_routes_the_gates_only_inside():
 
 
 def test_collective_log_routes_the_gates_only_inside():
-    """The collective log watches the same ways to wait as the marks, through the same gates, and puts their
-    routes back however it ends."""
+    """The collective log watches the ways to wait, through the marks' gates, and puts their routes back however
+    it ends."""
     from harness.tools.grading.jobs import CommLog
 
     held = gates()
     plain = {name: schedule.current(f"Work.{name}") for name in schedule.WORK_WAITS}
     with pytest.raises(RuntimeError, match="training failed"), CommLog():
-        assert all(schedule.current(f"Work.{name}") is not plain[name] for name in plain) and gates() == held
+        # every way to wait, not is_completed(), which lets nothing be read ([Note: a collective's result read ...])
+        assert [name for name in plain if schedule.current(f"Work.{name}") is plain[name]] == ["is_completed"]
+        assert gates() == held
         raise RuntimeError("training failed")
     assert {name: schedule.current(f"Work.{name}") for name in plain} == plain and gates() == held
+
+
+def test_the_marks_fail_on_a_foreign_receiver_as_the_plain_methods_do():
+    """Called on something that is not a Work, a way to wait fails with the plain method's own message under the
+    marks too (the marks' wait asked is_completed() first, whose name in the error told a program it was marked)."""
+    import torch.distributed as dist
+
+    gates()
+
+    def errors() -> list[str]:
+        out = []
+        for name in schedule.WORK_WAITS:
+            try:
+                getattr(dist.Work, name)(0)
+            except TypeError as e:
+                out.append(str(e))
+        return out
+
+    plain = errors()
+    assert len(plain) == len(schedule.WORK_WAITS) and all(n in e for n, e in zip(schedule.WORK_WAITS, plain))
+    with schedule.marked_waits():
+        assert errors() == plain
 
 
 def test_a_method_kept_from_before_goes_through_the_instruments():
@@ -446,7 +470,7 @@ dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0
 x, out = torch.ones(8), torch.zeros(8)
 unseen = schedule.current("Work.wait")  # the plain method: a wait the marks do not see (a guess, in a file)
 with torch.profiler.profile() as prof, schedule.marked_waits():
-    for ask in ("is_completed", "synchronize", "get_future", "wait"):
+    for ask in ("synchronize", "get_future", "result", "wait"):
         work = dist.all_gather_into_tensor(out, x, async_op=True)
         unseen(work)
         getattr(work, ask)()
@@ -455,10 +479,10 @@ print(sum(e.name.startswith(schedule.FOUND_DONE) for e in prof.events()))
 
 
 def test_a_work_found_done_at_once_is_tagged_where_it_was_asked():
-    """A program that learnt by other means (a guess: spinning in Python) that a collective is done, then asks its
-    Work, reads the result from there: each way of asking (is_completed() saying True at once included) is tagged
-    there, which the schedule takes as the all-gather's wait (a red-team file asked is_completed() after a spin,
-    computed its own group, then called wait(), which looked overlapped)."""
+    """A program that learnt by other means (a guess: spinning in Python) that a collective is done, then waits for
+    its Work, may read the result from there: each way of waiting is tagged there when it finds the work done,
+    which the schedule takes as the all-gather's wait, not only wait() (a later wait() would otherwise look
+    overlapped)."""
     import subprocess
     import sys
 
@@ -468,6 +492,39 @@ def test_a_work_found_done_at_once_is_tagged_where_it_was_asked():
                           cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PORT": str(free_port())})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "4", proc.stdout
+
+
+COMPLETED_THEN_READ = """
+import os, torch, torch.distributed as dist
+from harness.tools.grading.jobs import CommLog
+from harness.tools.traces import schedule
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
+x, out = torch.ones(8), torch.zeros(8)
+unseen = schedule.current("Work.wait")  # the plain method: done by then, as after a guessed while
+log = CommLog()
+with log:
+    work = dist.all_gather_into_tensor(out, x, async_op=True)
+    unseen(work)
+    assert work.is_completed()
+    out.sum().item()
+    work.wait()
+print(log.problems)
+"""
+
+
+def test_is_completed_is_no_wait_for_the_collective_log():
+    """is_completed() saying True lets no result be read: a program that spun for a guessed while, asked it and
+    read the all-gather's output (then computed its own group, and waited later, where it looked overlapped) is
+    named ([Note: a collective's result read before its wait])."""
+    import subprocess
+    import sys
+
+    from harness.distributed import free_port
+
+    proc = subprocess.run([sys.executable, "-c", COMPLETED_THEN_READ], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PORT": str(free_port())})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reads the output of an asynchronous all-gather before its work handle" in proc.stdout, proc.stdout
 
 
 def test_an_op_run_through_a_dispatch_mode_counts_once():

@@ -263,7 +263,7 @@ def test_memory_equals_a_fresh_pool(pool2, monkeypatch, computed):
     cfg = as_fsdp2(config("x", num_steps=3))
     off, cold, warm = three_ways(monkeypatch, computed, lambda: checks.run_fsdp2(pool2, memory_job, cfg, fresh=True))
     assert cold == warm
-    # What check_memory compares: the least peak of steps 2.., which may differ between fresh pools by
+    # What check_memory compares: the least peak of some steps from 2 on, which may differ between fresh pools by
     # a buffer gloo's thread is still releasing in every step compared (LATE_BUFFERS, policy.py; seen
     # on a loaded machine, 0.5 MiB over 2 steps), and the live tensors and block sizes, to the byte.
     for a, b in zip(off, cold):

@@ -98,15 +98,16 @@ def test_a_run_without_trace_gets_a_panel_saying_why(fsdp2_traces, tmp_path):
 def test_memory_plot_draws_peaks_and_the_allowance(tmp_path):
     MiB = 2**20
     cases = {"case a": {"fsdp2": [[50 * MiB, 80 * MiB, 79 * MiB], [50 * MiB, 81 * MiB, 80 * MiB]],
-                        "effdl": [[51 * MiB, 84 * MiB, 83 * MiB], [51 * MiB, 84 * MiB, 85 * MiB]], "margin": 6 * MiB},
-             "case b": {"fsdp2": [[40 * MiB, 60 * MiB]], "effdl": None, "margin": 2 * MiB}}
+                        "effdl": [[51 * MiB, 84 * MiB, 83 * MiB], [51 * MiB, 84 * MiB, 85 * MiB]], "margin": 6 * MiB,
+                        "judged": [2, 3]},
+             "case b": {"fsdp2": [[40 * MiB, 60 * MiB, 58 * MiB]], "effdl": None, "margin": 2 * MiB, "judged": [2]}}
     out = tmp_path / "memory.png"
     drawn = pictures.memory_png(cases, out)
     assert png_size(out)[0] >= 800 and out.stat().st_size > 20_000
-    # The check's rule: effdl's least peak of steps 2.. against FSDP2's plus the margin.
+    # The check's rule: effdl's least peak of the judged steps against FSDP2's plus the margin.
     assert drawn["case a"]["allowed"] == [85.0, 86.0]
     assert drawn["case a"]["effdl"][1] == [51.0, 84.0, 85.0]
-    assert drawn["case b"] == {"fsdp2": [[40.0, 60.0]], "effdl": None, "allowed": [62.0]}
+    assert drawn["case b"] == {"fsdp2": [[40.0, 60.0, 58.0]], "effdl": None, "allowed": [62.0]}
 
 
 def test_artifacts_say_why_nothing_was_drawn(tmp_path):

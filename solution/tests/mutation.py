@@ -103,6 +103,19 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            ctx.post_forward_order[index - 1].prefetch()\n",
         "            for earlier in reversed(ctx.post_forward_order[:index]) if _FIRST[0] is not ctx else []:\n"
         "                earlier.prefetch()\n")],
+    # Tells the runs apart by the step it is in: every group prefetched at once through step 3 (the last a
+    # profiled run of tasks 2 and 3 has), nothing from step 4 (which only the memory job has). The memory check
+    # judges the peak on the profiled steps only.
+    "prefetch-all-until-step-4": [(
+        "from torch.profiler import record_function\n",
+        "from torch.profiler import record_function\n\n_FORWARDS = []  # the root forwards this process ran\n"), (
+        "            ctx.forward_order.append(self.group)\n",
+        "            ctx.forward_order.append(self.group)\n            if self.is_root:\n                _FORWARDS.append(None)\n"), (
+        "                order[i + 1].prefetch()\n",
+        "                for later in order[i + 1:] if len(_FORWARDS) <= 6 else []:\n                    later.prefetch()\n"), (
+        "            ctx.post_forward_order[index - 1].prefetch()\n",
+        "            for earlier in reversed(ctx.post_forward_order[:index]) if len(_FORWARDS) <= 6 else []:\n"
+        "                earlier.prefetch()\n")],
     # No prefetch: each group's all-gather issued in its own pre-forward and waited for after a token op
     # outside FSDP's ranges, which is not the model's compute (schedule's [Note: what counts as compute]).
     "token-compute-forward": [(

@@ -22,7 +22,8 @@ from harness.tools.traces.schedule import drawn_mark
 from harness.tools.grading.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
                                    tensor_difference, ulps)
 from harness.tools.grading.jobs import Run, forward_job, memory_job, odd_shapes_job, shard_job, train_job
-from harness.tools.grading.policy import HSDP, HSDP_MEMORY_STEPS, LATE_BUFFERS, MODES, OVERLAP, PRECISIONS, as_fsdp2, config, describe, mode_flags
+from harness.tools.grading.policy import (HSDP, HSDP_MEMORY_STEPS, LATE_BUFFERS, MODES, OVERLAP, PRECISIONS, PROFILED,
+                                          as_fsdp2, config, describe, mode_flags, profiled_steps)
 from harness.tools.grading.ranks import RankError, RankPool, Ranks
 
 
@@ -170,8 +171,9 @@ def check_odd_shapes(pool: Ranks, impl: str) -> str:
 # --------------------------------------------------------------------------- memory (task 3, bonuses)
 
 
-# Called as memory_seen(case, runs) with each memory check's runs ({"FSDP2": [...], "effdl": [...]},
-# jobs.Memory per rank) before it judges them: `pytest --artifacts` records the peaks (conftest.py).
+# Called as memory_seen(case, runs, judged) with each memory check's runs ({"FSDP2": [...], "effdl": [...]},
+# jobs.Memory per rank) and the steps it compares, before it judges them: `pytest --artifacts` records the
+# peaks (conftest.py).
 memory_seen = None
 
 
@@ -181,21 +183,26 @@ def allowance(m) -> int:
     return m.block_reduce + LATE_BUFFERS * m.block_largest
 
 
-def check_memory(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **overrides) -> str:
+def check_memory(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, judged: tuple[int, ...] | None = None,
+                 **overrides) -> str:
     """Peak memory per step (tensor memory on CPU) within one reduce-scatter input and a late buffer of
-    FSDP2's, and no growth.
+    FSDP2's, the least over the `judged` steps (the steps whose overlap the matching profiled run judges; by
+    default tasks 2 and 3's), and no growth over every step.
 
     Each run gets fresh ranks forked from the same preloaded image, so absolute numbers compare
     (in a long-lived process, what earlier jobs left behind shifts them); FSDP2's, measured so once,
     comes from fsdp2_cache while its key holds."""
     __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **overrides)
+    judged = judged or profiled_steps(config(**PROFILED))
+    if max(judged) > cfg.num_steps or min(judged) < 2:
+        raise ValueError(f"judged steps {judged}: from step 2 (step 1 creates the optimizer's state) to {cfg.num_steps}")
     what = describe(cfg, pool.world_size)
     runs = {"FSDP2": run_fsdp2(pool, memory_job, as_fsdp2(cfg), fresh=True)}
     with RankPool(pool.world_size, device=pool.device, role="sandboxed") as fresh:
         runs["effdl"] = run(fresh, memory_job, cfg)
     if memory_seen is not None:
-        memory_seen(what + "".join(f", {k}={v}" for k, v in overrides.items()), runs)
+        memory_seen(what + "".join(f", {k}={v}" for k, v in overrides.items()), runs, judged)
     mib = lambda n: f"{n / 2**20:.2f} MiB"
     worst, margin = -float("inf"), 0
     for rank, (ref, got) in enumerate(zip(runs["FSDP2"], runs["effdl"])):
@@ -210,13 +217,14 @@ def check_memory(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, **
                                  "something leaks every step (tensors kept by a collective's work, an autograd "
                                  "graph or a buffer that is never freed)")
         margin = allowance(got)
-        steady_ref, steady = min(ref.peaks[1:]), min(got.peaks[1:])
+        steady_ref, steady = (min(m.peaks[step - 1] for step in judged) for m in (ref, got))
         worst = max(worst, steady - steady_ref)
         if steady > steady_ref + margin:
             raise AssertionError(
                 f"{what}: rank {rank}'s peak memory per step is {mib(steady)}, FSDP2's {mib(steady_ref)} "
                 f"(+{mib(steady - steady_ref)}, allowed {mib(margin)}: one block's reduce-scatter input and one "
-                "collective's buffer freed late; the least of steps 2.., tensor memory): something is kept longer "
+                f"collective's buffer freed late; the least of steps {', '.join(map(str, judged))}, the steps whose "
+                "overlap is judged; tensor memory): something is kept longer "
                 f"than FSDP2 keeps it (gathered parameters, gradients, communication buffers). Per step: "
                 f"effdl {', '.join(mib(x) for x in got.peaks)}; FSDP2 {', '.join(mib(x) for x in ref.peaks)}")
     return f"peak {worst / 2**20:+.1f} MiB over FSDP2 (allowed +{margin / 2**20:.1f})"
@@ -236,7 +244,7 @@ class Profiles:
 
 def profile_both(pool: Ranks, impl: str, folder, memory: bool = False, **overrides) -> Profiles:
     __tracebackhide__ = True
-    cfg = config(impl, num_steps=3, profile_steps=2, **overrides)
+    cfg = config(impl, **{**PROFILED, **overrides})
     return run_profiled(pool, cfg, folder, describe(cfg, pool.world_size), memory=memory)[0]
 
 
@@ -326,10 +334,12 @@ def assert_overlap(p: Profiles, which: str) -> str:
     return ", ".join(shown)
 
 
-def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder) -> str:
+def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduce_dtype: str, folder,
+               memory: bool = False) -> str:
     """One profiled run each of FSDP2 and effdl in the given bonus modes: the
     collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
-    every loss, grad norm and parameter shard equals FSDP2's."""
+    every loss, grad norm and parameter shard equals FSDP2's; memory: and the peak memory of the steps whose
+    overlap was judged (check_memory)."""
     __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, num_steps=3, profile_steps=1,
                  **mode_flags(modes))
@@ -357,6 +367,8 @@ def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduc
     ref, got = results["fsdp2"], results["effdl"]
     assert_same_numbers(ref[0].result, got[0].result, what)
     assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, measure_shard(pool, cfg))
+    if memory:  # on the steps this profiled run judged
+        check_memory(pool, impl, param_dtype, reduce_dtype, judged=profiled_steps(cfg), **mode_flags(modes))
     return f"{MODES[modes[-1]].promise}; " + ", ".join(h for h in hidden if h)
 
 
@@ -386,7 +398,7 @@ def check_hsdp(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, fold
             profiled = dataclasses.replace(cfg, num_steps=2, profile_steps=1)  # step 1 initialises
             profiles = run_profiled(pool, profiled, folder, what)[0]
             overlap = [assert_overlap(profiles, which) for which in ("forward", "backward")]
-            check_memory(pool, impl, param_dtype, reduce_dtype, replicate=replicate,
+            check_memory(pool, impl, param_dtype, reduce_dtype, judged=profiled_steps(profiled), replicate=replicate,
                          **{**HSDP, "num_steps": HSDP_MEMORY_STEPS})
     except (AssertionError, RankError) as e:
         first = str(e)

@@ -108,9 +108,12 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 # [Note: a collective's result read before its wait]
 # An op that reads what an asynchronous all-gather, reduce-scatter or all-reduce writes before its work
-# handle was asked for (wait, synchronize, get_future, is_completed() found done) reads a result that may
+# handle was waited for (wait, synchronize, get_future, result, block_current_stream) reads a result that may
 # not be there yet: a race, and, polled until it is, a wait that no mark in a profiled trace shows (the
-# overlap check would count the compute after it as overlapped). FSDP2 never does; the collective log
+# overlap check would count the compute after it as overlapped). `is_completed()` saying True is not such a
+# wait: on gloo, wait() may copy the result into place itself, and a program that spun until a guessed
+# moment, asked is_completed() and read would wait where nothing marks it (a red-team file did, and its own
+# group's compute then looked overlapped by the all-gather it had already used). FSDP2 never does; the collective log
 # names such a read as a problem. Each collective's Work is the object its caller gets (pybind keeps one
 # Python object per Work while it lives), so the handle's own methods say when it was waited for. Compared
 # by bytes (another part of the same buffer may be used meanwhile); views and ops that read only a
@@ -156,19 +159,14 @@ class CommLog(TorchDispatchMode):
             original = current(f"Work.{name}")
 
             def asked(work, *args, **kwargs):
-                if name != "is_completed":  # asked first: a wait may copy the result into place itself (gloo's)
-                    pending.pop(id(work), None)
-                    return original(work, *args, **kwargs)
-                done = original(work, *args, **kwargs)
-                if done:
-                    pending.pop(id(work), None)
-                return done
+                pending.pop(id(work), None)  # asked first: a wait may copy the result into place itself (gloo's)
+                return original(work, *args, **kwargs)
 
             return asked
 
-        # through the gates, as the marks: a method a file kept from before still tells the log (schedule's
-        # [Note: gates put in place before the file])
-        self._routing = routed({f"Work.{name}": waiting(name) for name in WORK_WAITS})
+        # Through the gates, as the marks: a method a file kept from before still tells the log (schedule's
+        # [Note: gates put in place before the file]). Not is_completed(): see the Note above.
+        self._routing = routed({f"Work.{name}": waiting(name) for name in WORK_WAITS if name != "is_completed"})
         self._routing.__enter__()
         try:
             return super().__enter__()

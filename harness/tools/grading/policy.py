@@ -23,6 +23,17 @@ PRECISIONS = [(p, r) for p in ("float32", "bfloat16") for r in ("float32", "bflo
 UNSET_PRECISIONS = [("none", "none"), ("bfloat16", "none")]
 
 
+# Tasks 2 and 3's profiled runs: 3 steps, the last 2 profiled (train.py profiles the last profile_steps).
+PROFILED = dict(num_steps=3, profile_steps=2)
+
+
+def profiled_steps(cfg: train.Config) -> tuple[int, ...]:
+    """The steps a profiled run of `cfg` profiles (its last `profile_steps`), where its overlap is judged: the
+    memory checks judge peaks on the same steps, so that no judged step is one only a memory run has (a
+    program counts its steps: lean only from a step the profiled run never reaches, it would pass both)."""
+    return tuple(range(cfg.num_steps - cfg.profile_steps + 1, cfg.num_steps + 1))
+
+
 def config(impl: str | None = None, **overrides) -> train.Config:
     """A small, fast run: debug model, 4 steps of 2 micro-steps, no profiling."""
     base = dict(model="debug", num_steps=4, seq_len=64, batch_size=2, num_gradient_accumulation_steps=2,
@@ -101,8 +112,9 @@ MODES = {
 }
 
 
-# What is compared: per rank, the least over steps 2..N of each step's peak (step 1 also pays one-time
-# allocations: the optimizer's state). On CPU that is tensor memory, the bytes c10's allocator held
+# What is compared: per rank, the least over the judged steps of each step's peak: those whose overlap the
+# matching profiled run judges (profiled_steps), never step 1 (it also pays one-time allocations: the
+# optimizer's state). On CPU that is tensor memory, the bytes c10's allocator held
 # (memory.TensorPeaks), the same measure on every platform, so a file gets the same verdict on a
 # student's Mac as on the grader's Linux. (The peak resident set with --exact-cpu-memory, which this
 # check used before, exists on Linux only, varies between runs, and also sees what no

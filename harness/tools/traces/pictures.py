@@ -20,7 +20,7 @@ order), and in each row:
     legend, only where a trace has them.
 
 `memory_png`: per precision case, each rank's peak memory per step for FSDP2 and
-effdl, and the most the memory check allows (FSDP2's least peak of steps 2.. plus its margin).
+effdl, and the most the memory check allows (FSDP2's least peak of the judged steps plus its margin).
 
 Both return what they drew, so tests check the data rather than pixels. `draw_artifacts` is what
 `pytest test.py --artifacts DIR` runs at the end of the session (conftest.py).
@@ -323,8 +323,9 @@ def _draw_overlap(panels: list[Panel], groups: list[str], xlim: tuple[float, flo
 
 def memory_png(cases: dict[str, dict], out: str | Path, title: str = "Peak memory per step") -> dict[str, dict]:
     """Per case (a subplot each): {"fsdp2": [[bytes per step] per rank], "effdl": same or None,
-    "margin": bytes the check allows above FSDP2}. Returns per case what was drawn, in MiB: each
-    rank's peaks per run and the allowance (FSDP2's least peak of steps 2.. plus the margin)."""
+    "margin": bytes the check allows above FSDP2, "judged": the steps it compares (from 1)}. Returns per
+    case what was drawn, in MiB: each rank's peaks per run and the allowance (FSDP2's least peak of the
+    judged steps plus the margin)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -340,7 +341,7 @@ def memory_png(cases: dict[str, dict], out: str | Path, title: str = "Peak memor
         ref, got = runs["fsdp2"], runs.get("effdl")
         d = drawn[case] = {"fsdp2": [[p / MiB for p in r] for r in ref],
                            "effdl": [[p / MiB for p in r] for r in got] if got else None,
-                           "allowed": [(min(r[1:] or r) + runs["margin"]) / MiB for r in ref]}
+                           "allowed": [(min(r[s - 1] for s in runs["judged"]) + runs["margin"]) / MiB for r in ref]}
         for rank, peaks in enumerate(d["fsdp2"]):
             ax.plot(range(1, len(peaks) + 1), peaks, "o-", color="tab:blue", alpha=0.9 - 0.25 * rank,
                     label="FSDP2" if rank == 0 else None)
@@ -348,9 +349,10 @@ def memory_png(cases: dict[str, dict], out: str | Path, title: str = "Peak memor
             ax.plot(range(1, len(peaks) + 1), peaks, "x--", color="tab:orange", alpha=0.9 - 0.25 * rank,
                     label="effdl" if rank == 0 else None)
         steps = len(d["fsdp2"][0])
+        judged = runs["judged"]
         for rank, allowed in enumerate(d["allowed"]):
-            ax.hlines(allowed, 2, max(steps, 2), colors="tab:red", linestyles=":",
-                      label="allowed (FSDP2's least of steps 2.. + margin)" if rank == 0 else None)
+            ax.hlines(allowed, min(judged), max(judged) + (min(judged) == max(judged)) * 0.2, colors="tab:red",
+                      linestyles=":", label="allowed (FSDP2's least of the judged steps + margin)" if rank == 0 else None)
         if not got:
             ax.text(0.5, 0.5, "no run of effdl", transform=ax.transAxes, ha="center", color="tab:red")
         ax.set_title(case, fontsize=8)
@@ -380,11 +382,12 @@ def clear_artifacts(folder: Path) -> None:
             path.unlink()
 
 
-def record_memory(folder: Path, case: str, fsdp2: list[list[int]], effdl: list[list[int]] | None, margin: int) -> None:
+def record_memory(folder: Path, case: str, fsdp2: list[list[int]], effdl: list[list[int]] | None, margin: int,
+                  judged: tuple[int, ...]) -> None:
     """Add one memory case to folder/memory.json (written each time: a session cut short keeps what it saw)."""
     path = folder / "memory.json"
     cases = json.loads(path.read_text()) if path.exists() else {}
-    cases[case] = {"fsdp2": fsdp2, "effdl": effdl, "margin": margin}
+    cases[case] = {"fsdp2": fsdp2, "effdl": effdl, "margin": margin, "judged": list(judged)}
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cases, indent=1))
 

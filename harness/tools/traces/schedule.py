@@ -65,7 +65,8 @@ HOOK_WAIT_MARKS = (POLLED_DONE, OTHER_WAIT)
 ISSUED, WAITED, FOUND_DONE = "Work issued #", "Work waited #", "Work found done #"
 """Each collective's own Work, tagged where it was issued, where the program waited for it while it ran (a
 blocking wait(), a poll that ended, get_future...) and where it asked it once done (wait(), get_future...,
-an is_completed() that says True at once, after which the result may be read as well): a wait the
+each of which lets the result be read; an is_completed() that says True at once does not, see jobs.py's
+[Note: a collective's result read before its wait]): a wait the
 FSDP's own ranges do not show (a program can open an empty `FSDP::all_gather_copy_out` range later) is
 still the collective's wait. An all-gather's first tag after its issue, of either kind, is where its result
 was asked for; a reduce-scatter found done was not waited for (FSDP2's and the reference's `reduce_scatter_done`)."""
@@ -156,8 +157,9 @@ def marked_waits():
     all-gather, `async_op=False`), is then seen even when no FSDP range marks it. So do the other
     ways to learn that a collective is done: `is_completed()` saying True after it said False (a loop
     polling it waits as much as `wait()`), `get_future()`, `synchronize()`, `result()`,
-    `block_current_stream()`, and a barrier. Only inside the `with` (through the gates: see [Note: gates
-    put in place before the file])."""
+    `block_current_stream()`, and a barrier; each collective's own Work is tagged where it was issued and
+    where it was waited for (ISSUED, WAITED, FOUND_DONE). Only inside the `with` (through the gates: see
+    [Note: gates put in place before the file])."""
     plain = {name: current(f"Work.{name}") for name in WORK_WAITS}
 
     running: set[int] = set()  # the Works is_completed() found running and nothing has waited for since
@@ -166,7 +168,11 @@ def marked_waits():
         with torch.profiler.record_function(f"{what}{id(work)}"):
             pass
 
+    work_type = torch.distributed.Work
+
     def wait(self, *args, **kwargs):
+        if not isinstance(self, work_type):  # fails as the plain method does, naming nothing of the marks'
+            return plain["wait"](self, *args, **kwargs)
         running.discard(id(self))  # waited for: a later Work at this address starts unpolled
         done = plain["is_completed"](self)
         tag(FOUND_DONE if done else WAITED, self)
@@ -182,12 +188,12 @@ def marked_waits():
             tag(WAITED, self)
             with torch.profiler.record_function(POLLED_DONE):
                 pass
-        else:  # found done at once: the result may be read from here (a wait guessed by spinning, then asked)
-            tag(FOUND_DONE, self)
         return done
 
     def other(name):
         def waits(self, *args, **kwargs):
+            if not isinstance(self, work_type):
+                return plain[name](self, *args, **kwargs)
             running.discard(id(self))
             tag(FOUND_DONE if plain["is_completed"](self) else WAITED, self)
             with torch.profiler.record_function(OTHER_WAIT):
@@ -331,9 +337,10 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
         thread_ops = sorted(op["ts"] for op in t.ops if (op["pid"], op["tid"]) == thread)
 
         def own_wait(op: dict) -> float | None:
-            """When the program first waited for this collective's own Work while it ran (see ISSUED); its
-            issue's end where no Work method ever asked for it (the program learnt it was done another way:
-            polling the output's contents, say), which is a wait at once."""
+            """When the program first waited for this collective's own Work (see ISSUED): while it ran, or, for an
+            all-gather, once it was done (its result may be read from there); its issue's end where no Work method
+            ever asked for it (the program learnt it was done another way: polling the output's contents, say),
+            which is a wait at once."""
             end = op["ts"] + op["dur"]
             i = bisect.bisect_left(issued_tags, (end, ""))
             later = bisect.bisect_right(thread_ops, op["ts"])
