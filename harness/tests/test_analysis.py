@@ -428,6 +428,19 @@ def test_a_method_kept_from_before_goes_through_the_instruments():
     assert seen == ["the work"]
 
 
+def on_one_gloo_rank(script: str):
+    """`script` run by a Python of its own (a process group of one gloo rank, at $PORT), which must exit 0."""
+    import subprocess
+    import sys
+
+    from harness.distributed import free_port
+
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PORT": str(free_port())})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 MOVED_OUTPUT = """
 import os, torch, torch.distributed as dist
 from harness.tools.grading.jobs import CommLog
@@ -452,14 +465,7 @@ print(log.problems)
 def test_collective_log_follows_an_output_that_moved():
     """A collective's output whose storage was resized in place (its bytes moved, which no op shows) is still its
     output: reading it before the wait is named there ([Note: a collective's result read before its wait])."""
-    import subprocess
-    import sys
-
-    from harness.distributed import free_port
-
-    proc = subprocess.run([sys.executable, "-c", MOVED_OUTPUT], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PORT": str(free_port())})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = on_one_gloo_rank(MOVED_OUTPUT)
     assert "reads the output of an asynchronous all-gather before its work handle" in proc.stdout, proc.stdout
 
 
@@ -483,14 +489,7 @@ def test_a_work_found_done_at_once_is_tagged_where_it_was_asked():
     its Work, may read the result from there: each way of waiting is tagged there when it finds the work done,
     which the schedule takes as the all-gather's wait, not only wait() (a later wait() would otherwise look
     overlapped)."""
-    import subprocess
-    import sys
-
-    from harness.distributed import free_port
-
-    proc = subprocess.run([sys.executable, "-c", FOUND_DONE_AT_ONCE], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PORT": str(free_port())})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = on_one_gloo_rank(FOUND_DONE_AT_ONCE)
     assert proc.stdout.split()[-1] == "4", proc.stdout
 
 
@@ -516,14 +515,7 @@ def test_is_completed_is_no_wait_for_the_collective_log():
     """is_completed() saying True lets no result be read: a program that spun for a guessed while, asked it and
     read the all-gather's output (then computed its own group, and waited later, where it looked overlapped) is
     named ([Note: a collective's result read before its wait])."""
-    import subprocess
-    import sys
-
-    from harness.distributed import free_port
-
-    proc = subprocess.run([sys.executable, "-c", COMPLETED_THEN_READ], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PORT": str(free_port())})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = on_one_gloo_rank(COMPLETED_THEN_READ)
     assert "reads the output of an asynchronous all-gather before its work handle" in proc.stdout, proc.stdout
 
 

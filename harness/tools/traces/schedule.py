@@ -119,6 +119,7 @@ def gate_collectives() -> None:
     place before the file])."""
     if _ROUTES:
         return
+
     def gate_of(route: str):
         def gate(*args, **kwargs):
             return _ROUTES[route](*args, **kwargs)
