@@ -608,6 +608,8 @@ SOURCE_CHEATS: dict[str, str] = {
     'torch-class-to-own-function': 'import torch\n\n\ndef install(owner, name, fake):\n    setattr(owner, name, fake)\n\n\ninstall(torch.Tensor, "add" + "_", print)\n',
     # A wait the overlap check does not mark: the work handle boxed, then waited for.
     'boxed-work': 'import torch.distributed as dist\n\n\ndef finish(work):\n    dist.Work.unbox(work.boxed()).wait()\n',
+    # A poll the marks do not stand in for: is_success() raises until the work is done.
+    'is-success-poll': 'import torch.distributed as dist\n\n\ndef done(work):\n    return work.is_success()\n',
 }
 SOURCE_REFUSALS: dict[str, str] = {
     'own-name-on-torch-module': '`._load_from_bytes`',
@@ -679,6 +681,7 @@ SOURCE_REFUSALS: dict[str, str] = {
     'static-method-self': 'writes over `.add_`',
     'torch-class-to-own-function': 'passes `torch.Tensor`, torch\'s or Python\'s, to its own function install',
     'boxed-work': "its work handle's wait()",
+    'is-success-poll': "its work handle's wait()",
     'unpacked-getattr': "with its arguments unpacked",
     'update-wrapper-globals': "@functools.wraps(f)",
     'global-enum-detectors': "`global_enum`",

@@ -132,8 +132,9 @@ ADVICE = {
                      "setLogRecordFactory", "showwarning", "formatwarning", "input", "help",
                      # a warning's source line read from any file it names; the standard streams redirected
                      "warn_explicit", "redirect_stdout", "redirect_stderr", "debug_dump", "enable_debug_mode"), _FILES),
-    # Waits no trace marks as one (Work.wait is marked: harness/tools/traces/schedule.py), and a way to any module.
-    **dict.fromkeys(("boxed", "unbox"),
+    # Waits no trace marks as one (Work.wait is marked: harness/tools/traces/schedule.py), and a way to any module;
+    # is_success() raises until the work is done: a poll outside the ways to wait the marks stand in for.
+    **dict.fromkeys(("boxed", "unbox", "is_success"),
                     "wait for a collective with its work handle's wait(), which the overlap check sees"),
     "get_device_module": _COMPUTED,
     # A context entered on a stack that may never be closed stays on for the whole process.
