@@ -4,6 +4,8 @@ of the sandbox user."""
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from pathlib import Path
 
 import psutil
@@ -23,8 +25,25 @@ def digest_tree(*roots: Path) -> dict[str, str]:
 
 
 def sandbox_processes() -> list[int]:
+    """The live processes of the sandbox user, but another checkout's: a grading run beside this one on
+    the same machine (its ranks, or what they started, run another environment's Python)."""
     if not sandbox.wanted():
         return []
     uid, _ = sandbox.account()
     return [p.pid for p in psutil.process_iter(["uids", "status"])
-            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE]
+            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE
+            and not _another_checkouts(p)]
+
+
+def _another_checkouts(proc: psutil.Process) -> bool:
+    """Whether `proc` or a process above it runs a Python of another environment than this one's."""
+    ours = sys.prefix + os.sep
+    try:
+        for p in [proc, *proc.parents()]:
+            program = (p.cmdline() or [""])[0]
+            if f"{os.sep}bin{os.sep}python" in program and os.path.isabs(program) and not program.startswith(ours) \
+                    and Path(program).parent.parent.joinpath("pyvenv.cfg").exists():
+                return True
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+    return False

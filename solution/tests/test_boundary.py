@@ -120,6 +120,16 @@ def background_job() -> int:
     return int(os.read(r, 32))
 
 
+_HELD = []
+
+
+def hold_job(path: str) -> int:
+    """Creates `path` (rank 0) and keeps it open after the job, as a live pool's rank holds its files."""
+    if os.environ["RANK"] == "0":
+        _HELD.append(open(path, "w"))
+    return 0
+
+
 def connect_job(port: int) -> bool:
     """Whether this rank can open a TCP connection to 127.0.0.1:port (the trusted pool's store, say)."""
     import socket
@@ -288,6 +298,45 @@ def test_background_process_does_not_outlive_its_pool():
     pool.close()
     assert not [pid for pid in left if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not sandbox_processes(), sandbox_processes()
+
+
+@as_root
+def test_a_pool_closing_beside_a_live_one_leaves_its_files():
+    """A pool that closes sweeps what its own ranks left in the shared folders, never what a live pool's
+    ranks hold there (a test's fresh pool closes beside the long-lived one); that pool's close removes it."""
+    path = Path(f"/dev/shm/fsdp-held-{uuid.uuid4().hex}")
+    live = RankPool(2, role="sandboxed")
+    try:
+        live.run(hold_job, str(path), timeout=60)
+        assert path.exists() and path.stat().st_uid == sandbox.account()[0]
+        RankPool(2, role="sandboxed").close()
+        assert path.exists(), "a closing pool removed a file a live pool's rank holds open"
+    finally:
+        live.close()
+    assert not path.exists(), "the pool that held it left it behind"
+
+
+def test_a_pool_that_cannot_start_leaves_nothing(monkeypatch):
+    """A rank that fails to start (out of processes, say) takes the ranks already started, the pool's
+    private folder and its network holder with it."""
+    import multiprocessing.context
+
+    started, start = [], multiprocessing.context.ForkServerProcess.start
+
+    def second_fails(self):
+        if started:
+            raise OSError("no more processes")
+        start(self)
+        started.append(self)
+
+    roots = lambda: set(Path(tempfile.gettempdir()).glob(f"{sandbox.ROOT_PREFIX}{os.getpid()}-*"))  # noqa: E731
+    before = roots()
+    monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start", second_fails)
+    with pytest.raises(OSError, match="no more processes"):
+        RankPool(2, role="sandboxed")
+    assert started and not started[0].is_alive(), "the rank that started outlived the pool"
+    assert roots() == before, "the pool's private folder was left"
+    assert not sandbox.Network._holders, "the pool's network holder was left"
 
 
 # --------------------------------------------------------------------------- the boundary mutants

@@ -31,7 +31,7 @@ The trust boundary: a pool has one role, for its whole life.
   settings was left changed (harness/tools/grading/tamper.py); a job after which something was is void.
   What its runs write (traces, snapshots, checkpoints) goes to the sandbox's own folder
   and is copied back as plain files. When it closes, `sandbox.sweep` kills what its ranks left, and
-  `sandbox.sweep_files` removes what they left in /tmp, /var/tmp and /dev/shm.
+  `sandbox.sweep_files` removes what they left in /tmp, /var/tmp and /dev/shm (not what another live pool holds).
 - "own": a student's own tools (benchmark, report, handin's profiled runs), both FSDPs in one
   pool, as the user who runs them: no boundary, nothing of anyone else's to protect.
 `Ranks` holds one world size's trusted and sandboxed pools for the graded checks.
@@ -203,23 +203,24 @@ class RankPool:
 
             assets.ensure(impl.ROOT)  # the data and tokenizer, which a sandboxed rank cannot write
             self.private = sandbox.Private.make()
-        pipes = [ctx.Pipe(duplex=True) for _ in range(world_size)]
-        self._conns = [ours for ours, _ in pipes]
-        port = free_port()
-        self._procs = [
-            ctx.Process(
-                target=_worker, args=(role, r, world_size, port, device, threads, theirs, self.private),
-                daemon=True, name=f"rank{r}",
-            )
-            for r, (_, theirs) in enumerate(pipes)
-        ]
+        self._conns, self._procs = [], []
         try:
-            for p in self._procs:
-                p.start()
-        finally:
-            for _, theirs in pipes:
-                theirs.close()
-        self._collect("start-up", None, start_timeout)
+            pipes = [ctx.Pipe(duplex=True) for _ in range(world_size)]
+            self._conns = [ours for ours, _ in pipes]
+            port = free_port()
+            try:
+                for r, (_, theirs) in enumerate(pipes):
+                    p = ctx.Process(target=_worker, args=(role, r, world_size, port, device, threads, theirs,
+                                                          self.private), daemon=True, name=f"rank{r}")
+                    p.start()
+                    self._procs.append(p)  # only a started process: close() joins each
+            finally:
+                for _, theirs in pipes:
+                    theirs.close()
+            self._collect("start-up", None, start_timeout)
+        except BaseException:  # a rank that could not start, or an interrupt: nothing of the pool outlives it
+            self.close()  # (its private folder and network holder included)
+            raise
 
     @property
     def closed(self) -> bool:

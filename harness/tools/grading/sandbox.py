@@ -111,13 +111,17 @@ class Private:
         if uid is not None:
             reachable()
         root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_roots`
-        for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
-            (root / sub).mkdir()
-            os.chmod(root / sub, mode)
-            if uid is not None and sub in ("home", "tmp"):
-                os.chown(root / sub, uid, gid)
-        os.chmod(root, 0o711)
-        network = Network.start(root) if uid is not None and not compat.simulated() else None
+        try:
+            for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
+                (root / sub).mkdir()
+                os.chmod(root / sub, mode)
+                if uid is not None and sub in ("home", "tmp"):
+                    os.chown(root / sub, uid, gid)
+            os.chmod(root, 0o711)
+            network = Network.start(root) if uid is not None and not compat.simulated() else None
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
         return cls(root, uid, gid, network)
 
     def output(self, name: str, src: Path | None) -> Path:
@@ -188,7 +192,12 @@ class Network:
         """pid of a new namespace's holder process, or None (said once) where one cannot be made."""
         proc = subprocess.Popen([sys.executable, "-I", "-c", _NETWORK_HOLDER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={"PATH": os.defpath})
-        line = proc.stdout.readline().strip()
+        try:
+            line = proc.stdout.readline().strip()
+        except BaseException:  # interrupted: the holder goes with it
+            proc.kill()
+            proc.wait()
+            raise
         if line != "ready":
             proc.kill()
             proc.wait()
@@ -398,15 +407,38 @@ def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
 SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
 
 
+def _held(uid: int) -> set[str]:
+    """The paths that live processes of `uid` hold: open, mapped, or their working folder. After `sweep`
+    killed a closing pool's ranks and what they started, those are other live pools' (a test's fresh
+    pool closing beside a long-lived one, a grading nested in another)."""
+    held = set()
+    for pid in _sandboxed(uid):
+        proc = Path("/proc") / str(pid)
+        try:
+            held.add(os.readlink(proc / "cwd"))
+            for fd in os.scandir(proc / "fd"):
+                try:
+                    held.add(os.readlink(fd.path))
+                except OSError:
+                    pass
+            with open(proc / "maps") as maps:
+                held.update(line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6)
+        except OSError:  # gone meanwhile
+            pass
+    return held
+
+
 def sweep_files(folders: tuple[str, ...] = SHARED_FOLDERS) -> list[str]:
     """As root: remove every entry of the shared folders that the sandbox user owns (a folder with all in
-    it; no link is followed). Returns what was removed. Not root: nothing (the student's own run)."""
+    it; no link is followed), except what a live process of that user holds (`_held`: another pool's,
+    whose own close sweeps it). Returns what was removed. Not root: nothing (the student's own run)."""
     if not wanted():
         return []
     try:
         uid, _ = account()
     except SandboxError:
         return []
+    held = _held(uid)
     removed = []
     for folder in folders:
         try:
@@ -416,6 +448,8 @@ def sweep_files(folders: tuple[str, ...] = SHARED_FOLDERS) -> list[str]:
         for entry in entries:
             try:
                 if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if any(path == entry.path or path.startswith(entry.path + "/") for path in held):
                     continue
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)
