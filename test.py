@@ -72,7 +72,8 @@ def profiles(pool2, impl, artifacts, tmp_path_factory):
     DIR/profiles with --artifacts DIR). A module fixture is set up before the autouse check above, so
     it makes that check itself: no file is run before its source was read."""
     checks.check_not_fsdp2(pool2, impl)
-    return checks.profile_both(pool2, impl, artifacts / "profiles" if artifacts else tmp_path_factory.mktemp("profiles"))
+    return checks.profile_both(pool2, impl, artifacts / "profiles" if artifacts else tmp_path_factory.mktemp("profiles"),
+                               memory=True)  # task 3 judges this run's memory too
 
 
 @pytest.mark.task2
@@ -83,8 +84,9 @@ def test_task2(profiles, evidence):
 
 @pytest.mark.task3
 def test_task3(profiles, evidence):
-    """Task 3: backward all-gathers prefetched and reduce-scatters left in flight."""
-    evidence(checks.assert_overlap(profiles, "backward"))
+    """Task 3: backward all-gathers prefetched and reduce-scatters left in flight, in a run whose peak memory
+    per step stays within one reduce-scatter buffer of FSDP2's (that very run: prefetch one group ahead)."""
+    evidence(checks.assert_overlap(profiles, "backward") + "; " + checks.assert_profiled_memory(profiles))
 
 
 @pytest.mark.task3

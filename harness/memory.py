@@ -14,6 +14,8 @@ events. See its docstring for what it sees and misses beside the resident set.
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import torch
@@ -158,6 +160,19 @@ class TensorPeaks:
             self._flag.value = self._was
         if exc[0] is None:
             self.peaks, self.levels = _peaks(self._prof.profiler.kineto_results.experimental_event_tree(), self.MARK)
+
+
+@contextlib.contextmanager
+def allocations_counted():
+    """c10's CPU allocator counts bytes on every thread (TensorPeaks' flag) for the extent, put back after: a
+    profile with allocation events then carries the exact total at each event, frees on other threads
+    included (what harness/tools/traces/memory_analysis.tensor_peaks reads)."""
+    flag = allocator_flag()
+    was, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = was
 
 
 def allocator_flag():

@@ -187,6 +187,28 @@ def test_untracked_blocks():
     assert memory_analysis.untracked_blocks(memory_trace()) == {(0xB, 30): 50, (0xC, 405): 400}
 
 
+def _memory_trace(steps: list[tuple[float, float]], events: list[tuple[float, object, int]]) -> Trace:
+    ranges = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "pid": 1, "tid": 1, "ts": s,
+               "dur": e - s} for i, (s, e) in enumerate(steps, start=2)]
+    memory = [{"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1, "ts": ts,
+               "args": {"Total Allocated": total, "Bytes": size, "Device Type": 0}} for ts, total, size in events]
+    return Trace({"traceEvents": ranges + memory, "profile_memory": 1})
+
+
+def test_tensor_peaks():
+    """Per profiled step the most held at once, the level it starts at included (the total before it, or
+    the first event's total less its bytes), whatever thread an event is on; malformed or missing events
+    are refused, not read as zero."""
+    t = _memory_trace([(0, 10), (10, 20)], [(1, 100, 40), (2, 180, 80), (3, 50, -130), (12, 70, 20), (15, 40, -30)])
+    assert memory_analysis.tensor_peaks(t) == [180, 70]
+    t = _memory_trace([(0, 10), (10, 20)], [(1, 100, 40), (12, 30, -70)])
+    assert memory_analysis.tensor_peaks(t) == [100, 100]  # step 3 starts where step 2 left it
+    with pytest.raises(ValueError, match="no allocation event in ProfilerStep#3"):
+        memory_analysis.tensor_peaks(_memory_trace([(0, 10), (10, 20)], [(1, 100, 40)]))
+    with pytest.raises(ValueError, match="malformed"):
+        memory_analysis.tensor_peaks(_memory_trace([(0, 10)], [(1, "100", 40)]))
+
+
 def test_memory_stats():
     trace = memory_trace()
     m = memory_analysis.analyze_memory(profiling.snapshot_from_chrome_trace(trace), trace)

@@ -110,6 +110,16 @@ def test_memory_check_fails(mutant, pool2, name, message):
         checks.check_memory(pool2, mutant(name), "float32", "float32")
 
 
+def test_profiled_memory_check_fails(mutant, pool2, tmp_path):
+    """Task 3 judges the memory of the run whose overlap it judges: a file that prefetches every group at once
+    there (its overlap passes) fails on that run's own peaks, whatever a memory run shows (a program that
+    times its own ops could tell a memory run from a profiled one and be lean only in the former)."""
+    profiles = checks.profile_both(pool2, mutant("prefetch-all-until-step-4"), tmp_path / "profiles", memory=True)
+    checks.assert_overlap(profiles, "backward")
+    with pytest.raises(AssertionError, match=r"profiled: rank \d's peak memory per step"):
+        checks.assert_profiled_memory(profiles)
+
+
 @pytest.mark.parametrize("name, check, message", [
     ("predivide", lambda pool3, pool2, impl, folder: checks.check_step(pool3, impl, "float32", "float32"),
      "differs"),

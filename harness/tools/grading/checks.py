@@ -21,7 +21,7 @@ from harness.tools.traces.analysis import RunStats, analyze_run
 from harness.tools.traces.schedule import drawn_mark
 from harness.tools.grading.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
                                    tensor_difference, ulps)
-from harness.tools.grading.jobs import Run, forward_job, memory_job, odd_shapes_job, shard_job, train_job
+from harness.tools.grading.jobs import Run, block_bytes, forward_job, memory_job, odd_shapes_job, shard_job, train_job
 from harness.tools.grading.policy import (HSDP, HSDP_MEMORY_STEPS, LATE_BUFFERS, MODES, OVERLAP, PRECISIONS, PROFILED,
                                           as_fsdp2, config, describe, mode_flags, profiled_steps)
 from harness.tools.grading.ranks import RankError, RankPool, Ranks
@@ -240,6 +240,43 @@ class Profiles:
     what: str
     fsdp2: RunStats
     effdl: RunStats
+    cfg: train.Config | None = None
+    """effdl's configuration (FSDP2's the same otherwise)"""
+    world_size: int = 0
+
+
+def assert_profiled_memory(p: Profiles) -> str:
+    """The peak memory per step of the profiled run itself (its trace's allocation events: run_profiled with
+    memory=True) within task 3's allowance of FSDP2's, the least of its profiled steps: the run whose overlap
+    is judged is the one whose memory is judged, so no schedule passes by being lean only where memory is
+    measured (a program that times its own ops could tell a memory run from a profiled one) and prefetching
+    every group at once where overlap is."""
+    __tracebackhide__ = True
+    steps = profiled_steps(p.cfg)
+    for who, stats in (("FSDP2", p.fsdp2), ("effdl", p.effdl)):
+        fail = AssertionError if who == "effdl" else RuntimeError
+        if stats.peaks_problem:
+            raise fail(f"{p.what}: {who}'s profiled run's tensor memory cannot be read: {stats.peaks_problem}")
+        if len(stats.peaks) != p.world_size or any(len(peaks) != len(steps) for peaks in stats.peaks):
+            raise fail(f"{p.what}: {who}'s profiled run shows tensor memory for {len(stats.peaks)} ranks, steps per "
+                       f"rank {[len(x) for x in stats.peaks]}; expected {p.world_size} ranks of {len(steps)} profiled "
+                       "steps (a trace with allocation events from each rank)")
+    block_reduce, block_largest = block_bytes(p.cfg, p.world_size)
+    margin = block_reduce + LATE_BUFFERS * block_largest
+    mib = lambda n: f"{n / 2**20:.2f} MiB"
+    worst = -float("inf")
+    for rank, (ref, got) in enumerate(zip(p.fsdp2.peaks, p.effdl.peaks)):
+        steady_ref, steady = min(ref), min(got)
+        worst = max(worst, steady - steady_ref)
+        if steady > steady_ref + margin:
+            raise AssertionError(
+                f"{p.what}, profiled: rank {rank}'s peak memory per step is {mib(steady)}, FSDP2's {mib(steady_ref)} "
+                f"(+{mib(steady - steady_ref)}, allowed {mib(margin)}: one block's reduce-scatter input and one "
+                f"collective's buffer freed late; the least of the profiled steps {', '.join(map(str, steps))}, "
+                "in the run whose overlap is judged; tensor memory): something is kept longer than FSDP2 keeps it "
+                "(gathered parameters prefetched more than one group ahead, gradients, communication buffers). "
+                f"Per profiled step: effdl {', '.join(mib(x) for x in got)}; FSDP2 {', '.join(mib(x) for x in ref)}")
+    return f"profiled peak {worst / 2**20:+.1f} MiB over FSDP2 (allowed +{margin / 2**20:.1f})"
 
 
 def profile_both(pool: Ranks, impl: str, folder, memory: bool = False, **overrides) -> Profiles:
@@ -250,8 +287,10 @@ def profile_both(pool: Ranks, impl: str, folder, memory: bool = False, **overrid
 
 def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory: bool = False):
     """Profiled runs of FSDP2 and effdl (same config otherwise): their analysed
-    traces under folder/<fsdp2|effdl>/traces, and per implementation each rank's Run (train_job). The checks read the schedule and the collectives only, so by default there are
-    no allocation events and no snapshots (memory=True: snapshots in folder/<...>/snapshots)."""
+    traces under folder/<fsdp2|effdl>/traces, and per implementation each rank's Run (train_job). The overlap checks
+    read the schedule and the collectives only, so by default there are no allocation events and no snapshots
+    (memory=True: allocation events, counted on every thread, whose peaks assert_profiled_memory judges, and
+    snapshots in folder/<...>/snapshots; FSDP2's run then on fresh ranks too, so absolute totals compare)."""
     __tracebackhide__ = True
     results, stats = {}, {}
     for name, cfg in (("fsdp2", as_fsdp2(cfg_effdl)), ("effdl", cfg_effdl)):
@@ -262,7 +301,7 @@ def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory
         # under test cannot know (drawn here for each run), so it cannot mark its own ops as compute.
         if name == "fsdp2":
             results[name], stats[name] = run_fsdp2(pool, train_job, cfg, False, FSDP2_MARK, analysed=True,
-                                                   mark=FSDP2_MARK)
+                                                   mark=FSDP2_MARK, fresh=memory)
         else:
             mark = drawn_mark()
             # On fresh ranks, as the memory job runs: a program cannot tell the run its overlap is judged on from
@@ -272,7 +311,7 @@ def run_profiled(pool: Ranks, cfg_effdl: train.Config, folder, what: str, memory
                 results[name] = run(fresh, train_job, cfg, False, mark)
             assert_no_problems(results[name], f"{what}, profiled")  # the collective log's, on in a profiled run too
             stats[name] = analyze_run(cfg.traces_dir, mark=mark)
-    return Profiles(what, stats["fsdp2"], stats["effdl"]), results
+    return Profiles(what, stats["fsdp2"], stats["effdl"], cfg_effdl, pool.world_size), results
 
 
 def assert_same_collectives(p: Profiles, promise: str = "") -> None:
@@ -338,14 +377,14 @@ def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduc
                memory: bool = False) -> str:
     """One profiled run each of FSDP2 and effdl in the given bonus modes: the
     collectives per phase equal FSDP2's and keep each mode's promise, overlap still holds, and
-    every loss, grad norm and parameter shard equals FSDP2's; memory: and the peak memory of the steps whose
-    overlap was judged (check_memory)."""
+    every loss, grad norm and parameter shard equals FSDP2's; memory: and the peak memory of this profiled run
+    itself (assert_profiled_memory), and of a memory run on the same steps, with its leaks (check_memory)."""
     __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, num_steps=3, profile_steps=1,
                  **mode_flags(modes))
     label = " + ".join(MODES[m].name for m in modes)
     what = f"{label}, {describe(cfg, pool.world_size)}"
-    profiles, results = run_profiled(pool, cfg, folder, what)
+    profiles, results = run_profiled(pool, cfg, folder, what, memory=memory)
     stats = {"fsdp2": profiles.fsdp2, "effdl": profiles.effdl}
     # FSDP groups as FSDP2 labels them (each block and the root; the model is never built here)
     groups = len({s.group for s in profiles.fsdp2.scheduled if s.kind == "all_gather"})
@@ -367,7 +406,8 @@ def check_mode(pool: Ranks, impl: str, modes: list[str], param_dtype: str, reduc
     ref, got = results["fsdp2"], results["effdl"]
     assert_same_numbers(ref[0].result, got[0].result, what)
     assert_same_parameters([r.digests for r in ref], [r.digests for r in got], what, measure_shard(pool, cfg))
-    if memory:  # on the steps this profiled run judged
+    if memory:  # in this profiled run, and on the same steps of a memory run (leaks too)
+        hidden.append(assert_profiled_memory(profiles))
         check_memory(pool, impl, param_dtype, reduce_dtype, judged=profiled_steps(cfg), **mode_flags(modes))
     return f"{MODES[modes[-1]].promise}; " + ", ".join(h for h in hidden if h)
 
@@ -396,8 +436,9 @@ def check_hsdp(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, fold
             # schedule and the buffers a 2-D mesh adds do not depend on the dtypes, which tasks 2 and 3 grade).
             # The overlap from a profiled run of its own: the graded run's Probes would show in its trace.
             profiled = dataclasses.replace(cfg, num_steps=2, profile_steps=1)  # step 1 initialises
-            profiles = run_profiled(pool, profiled, folder, what)[0]
+            profiles = run_profiled(pool, profiled, folder, what, memory=True)[0]
             overlap = [assert_overlap(profiles, which) for which in ("forward", "backward")]
+            overlap.append(assert_profiled_memory(profiles))
             check_memory(pool, impl, param_dtype, reduce_dtype, judged=profiled_steps(profiled), replicate=replicate,
                          **{**HSDP, "num_steps": HSDP_MEMORY_STEPS})
     except (AssertionError, RankError) as e:

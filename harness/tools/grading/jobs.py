@@ -365,9 +365,14 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
         digests.append({name: digest(p) for name, p in model.named_parameters()})
         log.step = step + 1
 
+    # A profiled run with allocation events on CPU counts tensor memory as the memory job does (memory.TensorPeaks'
+    # flag: frees on gloo's threads counted too), so its trace's totals are exact: the peaks judged on the very run
+    # whose overlap is judged (checks.assert_profiled_memory).
+    counted = cfg.profile_steps and cfg.profile_memory and current_device(cfg.device).type == "cpu"
     try:
         with marked_waits() if cfg.profile_steps else contextlib.nullcontext(), \
-                log if observe or cfg.profile_steps else contextlib.nullcontext(), contextlib.ExitStack() as marks:
+                log if observe or cfg.profile_steps else contextlib.nullcontext(), contextlib.ExitStack() as marks, \
+                memory.allocations_counted() if counted else contextlib.nullcontext():
             result = train.train(cfg, inspect=inspect)
     except BaseException as e:
         e.add_note(f"(in step {min(log.step, cfg.num_steps)} of {cfg.num_steps}, rank {dist.get_rank()})" if log.step else
@@ -525,15 +530,20 @@ def memory_job(cfg: train.Config) -> Memory:
             peaks, held = tp.peaks[1:], tp.levels[1:]
     if log.problems:
         raise AssertionError("; ".join(log.problems[:3]))
-    # The margins' sizes, from the analytic model the report and the fit estimate share: one block's
-    # padded flat buffer, in the reduce dtype (its reduce-scatter input) and in the larger dtype.
     # After training, which makes the tokenizer whose vocabulary this reads on a fresh checkout.
+    return Memory(peaks, held, live, *block_bytes(cfg, dist.get_world_size()))
+
+
+def block_bytes(cfg: train.Config, world_size: int) -> tuple[int, int]:
+    """(Memory.block_reduce, Memory.block_largest) of `cfg` on `world_size` ranks, from the analytic model the
+    report and the fit estimate share: one block's padded flat buffer, in the reduce dtype (its
+    reduce-scatter input) and in the larger of the two dtypes."""
     groups = memory_model.model_groups(cfg.model, cfg.seq_len, assets.vocab_size(),
                                        dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
-    world = dist.get_world_size() // cfg.replicate  # HSDP: the shard group's
+    world = world_size // cfg.replicate  # HSDP: the shard group's
     block = memory_model.largest_block(groups, world)
     reduce = train.DTYPES[cfg.reduce_dtype] or train.DTYPES[cfg.param_dtype] or torch.float32
     compute = train.DTYPES[cfg.param_dtype] or torch.float32
     larger = max(reduce, compute, key=lambda d: d.itemsize)
-    return Memory(peaks, held, live, memory_model.reduce_scatter_input_bytes(block, world, reduce),
-                  memory_model.group_bytes(block, world, larger.itemsize))
+    return (memory_model.reduce_scatter_input_bytes(block, world, reduce),
+            memory_model.group_bytes(block, world, larger.itemsize))

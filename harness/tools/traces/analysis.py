@@ -29,7 +29,7 @@ import tyro
 from harness.cli import parse
 from harness.tools.traces.collectives import StepStats, analyze_trace, mean
 from harness.errors import BAD_INPUT, stop
-from harness.tools.traces.memory_analysis import MemoryStats, analyze_memory
+from harness.tools.traces.memory_analysis import MemoryStats, analyze_memory, tensor_peaks
 from harness.tools.traces.schedule import Scheduled, model_calls, must_overlap, schedule
 from harness.tools.traces.trace import KINDS, OTHER, PHASES, Trace, rank_files
 
@@ -50,6 +50,11 @@ class RunStats:
     """forwards of the model's leaf modules over every rank's profiled steps (schedule.model_calls), when marked."""
     c10d_calls: dict[str, int] = field(default_factory=dict)
     """collective op -> how many times the dispatcher ran it, over every rank's profiled steps (Trace.c10d_calls)."""
+    peaks: list[list[int]] = field(default_factory=list)
+    """per rank, a trace with allocation events: tensor memory's peak per profiled step (memory_analysis.tensor_peaks;
+    exact where the run counted allocations on every thread, as the graded profiled runs do)."""
+    peaks_problem: str = ""
+    """why a trace with allocation events gave no peaks (tensor_peaks refused it), else empty"""
 
     def overlap(self, kind: str, phase: str) -> tuple[int, int, list[Scheduled]]:
         """(overlapped, that could be, the ones that could be and were not) for one kind and phase."""
@@ -83,9 +88,14 @@ def without_cycle_collection():
 
 
 def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) -> RunStats:
-    steps, memories, scheduled, calls, c10d = [], [], [], 0, {}
+    steps, memories, scheduled, calls, c10d, peaks, problem = [], [], [], 0, {}, [], ""
     for path in rank_files(traces, ".json"):
         t = Trace(path)
+        if t.data.get("profile_memory") and not t.cuda:  # torch's mark of a trace with allocation events
+            try:
+                peaks.append(tensor_peaks(t))
+            except ValueError as e:  # what reads them says so (checks.assert_profiled_memory); the rest stands
+                problem = problem or f"{path.name}: {e}"
         for name, n in t.c10d_calls.items():
             c10d[name] = c10d.get(name, 0) + n
         steps += analyze_trace(t)
@@ -105,7 +115,7 @@ def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) 
             raise ValueError(f"{path} was profiled with --no-profile-memory, so no snapshot in {snapshots} is "
                              "from its run: profile again without that flag, or analyse the traces alone")
     return RunStats(mean(steps), MemoryStats.worst(memories) if memories else None, steps, memories, scheduled,
-                    calls if mark is not None else None, c10d)
+                    calls if mark is not None else None, c10d, peaks, problem)
 
 
 # --------------------------------------------------------------------------- CLI

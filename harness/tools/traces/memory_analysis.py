@@ -46,6 +46,34 @@ class MemoryStats:
                            per_step("growth"), per_step("untracked"))
 
 
+def tensor_peaks(trace: Trace) -> list[int]:
+    """Per profiled step (the main thread's `ProfilerStep#N` ranges, in order): the most tensor memory held at
+    once, memory.TensorPeaks' measure, read from a trace with allocation events of a run that counted them
+    (memory.allocations_counted: each `[memory]` event carries c10's exact total then, frees on other threads
+    included). The level the step starts at counts too: the total of the last event before it, or, for the
+    first, the first event's total less its own bytes. The trace may be a file under test's: what is read is
+    checked for type, and a step without allocation events is refused."""
+    events = []
+    for e in trace.data["traceEvents"]:
+        if e.get("name") != "[memory]" or not isinstance(args := e.get("args"), dict) or args.get("Device Type") != 0:
+            continue
+        ts, total, size = e.get("ts"), args.get("Total Allocated"), args.get("Bytes", 0)
+        if not (isinstance(ts, (int, float)) and type(total) is int and type(size) is int and total >= 0):
+            raise ValueError(f"an allocation event of rank {trace.rank}'s trace is malformed: {str(e)[:200]}")
+        events.append((ts, total, size))
+    events.sort()
+    times = [ts for ts, _, _ in events]
+    peaks = []
+    for start, end, number in trace.steps.ranges:
+        first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        if first == last:
+            raise ValueError(f"rank {trace.rank}'s trace has no allocation event in ProfilerStep#{number}: was it "
+                             "profiled with allocation events (profile_memory)?")
+        level = events[first - 1][1] if first else events[first][1] - events[first][2]
+        peaks.append(max(level, *(total for _, total, _ in events[first:last])))
+    return peaks
+
+
 def untracked_blocks(trace: Trace | dict) -> dict[tuple[int, int], int]:
     """(address, time_us) -> bytes of every CPU block whose free the trace does not show.
 
