@@ -353,6 +353,20 @@ def overlapped(trace: dict, kind: str, phase: str) -> list[str]:
             if s.overlapped]
 
 
+def test_most_in_flight():
+    """Per pass, the most issued and not yet waited for at once (never waited: still in flight), and which."""
+    def ag(group, issued, waited, pass_start=0.0, rank=0):
+        return schedule.Scheduled(rank, 1, "forward", pass_start, "all_gather", group, issued, waited, True, True)
+
+    one_ahead = [ag("root", 0, 1), ag("a", 2, 3), ag("b", 3.5, 5), ag("c", 5.5, 7)]
+    assert schedule.most_in_flight(one_ahead)[0] == 1
+    own_and_next = [ag("a", 0, 3), ag("b", 1, 5), ag("c", 4, 7)]
+    assert schedule.most_in_flight(own_and_next)[0] == 2
+    at_once = [ag("a", 0, 3), ag("b", 1, 5), ag("c", 2, None), ag("d", 10, 11, pass_start=9)]
+    count, flying = schedule.most_in_flight(at_once)
+    assert count == 3 and [s.group for s in flying] == ["a", "b", "c"]
+
+
 def test_schedule():
     """Overlap by order: compute between issue and wait, the pass's first all-gather and last
     reduce-scatter exempt; waiting in the issuing hook or inside the issue range is no overlap."""

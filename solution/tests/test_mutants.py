@@ -110,12 +110,16 @@ def test_memory_check_fails(mutant, pool2, name, message):
         checks.check_memory(pool2, mutant(name), "float32", "float32")
 
 
-def test_profiled_memory_check_fails(mutant, pool2, tmp_path):
-    """Task 3 judges the memory of the run whose overlap it judges: a file that prefetches every group at once
-    there (its overlap passes) fails on that run's own peaks, whatever a memory run shows (a program that
-    times its own ops could tell a memory run from a profiled one and be lean only in the former)."""
+def test_every_group_gathered_at_once_fails_overlap_and_memory(mutant, pool2, tmp_path):
+    """Every later group prefetched at once (each all-gather still waited for after another group's compute, so
+    each looks overlapped) is not the task's schedule: more than a group's own and the next all-gather in flight
+    fails tasks 2 and 3, and task 3 judges the memory of the run whose overlap it judges, which that schedule
+    exceeds, whatever a memory run shows (a program that times its own ops could tell a memory run from a
+    profiled one and be lean only in the former)."""
     profiles = checks.profile_both(pool2, mutant("prefetch-all-until-step-4"), tmp_path / "profiles", memory=True)
-    checks.assert_overlap(profiles, "backward")
+    for which in ("forward", "backward"):
+        with pytest.raises(AssertionError, match=r"all-gathers in \w+ward: \d were in flight at once"):
+            checks.assert_overlap(profiles, which)
     with pytest.raises(AssertionError, match=r"profiled: rank \d's peak memory per step"):
         checks.assert_profiled_memory(profiles)
 

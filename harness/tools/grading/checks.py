@@ -18,12 +18,13 @@ import torch
 import train
 from harness.tools.grading import fsdp2_cache, handwritten
 from harness.tools.traces.analysis import RunStats, analyze_run
-from harness.tools.traces.schedule import drawn_mark
+from harness.tools.traces.schedule import drawn_mark, most_in_flight
 from harness.tools.grading.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
                                    tensor_difference, ulps)
 from harness.tools.grading.jobs import Run, block_bytes, forward_job, memory_job, odd_shapes_job, shard_job, train_job
-from harness.tools.grading.policy import (HSDP, HSDP_MEMORY_STEPS, LATE_BUFFERS, MODES, OVERLAP, PRECISIONS, PROFILED,
-                                          as_fsdp2, config, describe, mode_flags, profiled_steps)
+from harness.tools.grading.policy import (HSDP, HSDP_MEMORY_STEPS, IN_FLIGHT, LATE_BUFFERS, MODES, OVERLAP,
+                                          PRECISIONS, PROFILED, as_fsdp2, config, describe, mode_flags,
+                                          profiled_steps)
 from harness.tools.grading.ranks import RankError, RankPool, Ranks
 
 
@@ -368,6 +369,14 @@ def assert_overlap(p: Profiles, which: str) -> str:
             raise AssertionError(
                 f"{p.what}: {name}: {done} of the {could} that can overlap compute did ({where}; FSDP2 on "
                 f"CPU: {ref_done} of {ref_could}, it waits at once). They are not overlapped: {fix}.")
+        if kind == "all_gather":  # one group ahead, not every group at once (which also overlaps)
+            count, flying = most_in_flight([s for s in p.effdl.scheduled if (s.kind, s.phase) == (kind, phase)])
+            if count > IN_FLIGHT:
+                raise AssertionError(
+                    f"{p.what}: {name}: {count} were in flight at once (rank {flying[-1].rank}, step "
+                    f"{flying[-1].step}: {', '.join(o.group for o in flying)}'s issued before any of them was waited "
+                    f"for; FSDP2 gathers one group ahead, at most {IN_FLIGHT} in flight). Gathering every group at "
+                    f"once holds all their parameters: {fix}, and only that group.")
         hidden = p.effdl.comm.kind(kind).by_phase[phase].hidden_fraction
         shown.append(f"{phase} {kind.replace('_', '-')}s {done}/{could} overlapped ({hidden:.0%} of their time hidden)")
     return ", ".join(shown)

@@ -411,19 +411,16 @@ def _held(uid: int) -> set[str]:
     """The paths that live processes of `uid` hold: open, mapped, or their working folder. After `sweep`
     killed a closing pool's ranks and what they started, those are other live pools' (a test's fresh
     pool closing beside a long-lived one, a grading nested in another)."""
+    import psutil
+
     held = set()
     for pid in _sandboxed(uid):
-        proc = Path("/proc") / str(pid)
         try:
-            held.add(os.readlink(proc / "cwd"))
-            for fd in os.scandir(proc / "fd"):
-                try:
-                    held.add(os.readlink(fd.path))
-                except OSError:
-                    pass
-            with open(proc / "maps") as maps:
-                held.update(line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6)
-        except OSError:  # gone meanwhile
+            proc = psutil.Process(pid)
+            held.add(proc.cwd())
+            held.update(f.path for f in proc.open_files())
+            held.update(m.path for m in proc.memory_maps() if m.path.startswith("/"))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):  # gone meanwhile
             pass
     return held
 

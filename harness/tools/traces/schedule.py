@@ -403,3 +403,20 @@ def must_overlap(scheduled: list[Scheduled]) -> list[Scheduled]:
         ops.sort(key=lambda s: s.issued)
         out += ops[1:] if ops[0].kind == "all_gather" else ops[:-1]
     return out
+
+
+def most_in_flight(scheduled: list[Scheduled]) -> tuple[int, list[Scheduled]]:
+    """Of one kind and phase: the most issued and not yet waited for at once within one pass (a never-waited one
+    stays in flight), and those collectives, at the issue where it was reached. Prefetching the group that runs
+    next keeps at most two all-gathers in flight (a group's own and the next's; FSDP2 waits for its own first);
+    issuing every group's at the start of a pass would also pass for overlap, holding every group gathered."""
+    passes: dict[tuple, list[Scheduled]] = defaultdict(list)
+    for s in scheduled:
+        passes[s.rank, s.pass_start].append(s)
+    most: list[Scheduled] = []
+    for ops in passes.values():
+        for s in ops:
+            flying = [o for o in ops if o.issued <= s.issued and (o.waited is None or o.waited > s.issued)]
+            if len(flying) > len(most):
+                most = sorted(flying, key=lambda o: o.issued)
+    return len(most), most
