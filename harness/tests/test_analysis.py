@@ -1,6 +1,7 @@
 """The trace analyses (harness/tools/traces/trace.py, collectives.py, schedule.py, memory_analysis.py and the
 analysis CLI): on real CPU traces of FSDP2, and on small synthetic traces."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -354,9 +355,10 @@ def overlapped(trace: dict, kind: str, phase: str) -> list[str]:
 
 
 def test_most_in_flight():
-    """Per pass, the most issued and not yet waited for at once (never waited: still in flight), and which."""
-    def ag(group, issued, waited, pass_start=0.0, rank=0):
-        return schedule.Scheduled(rank, 1, "forward", pass_start, "all_gather", group, issued, waited, True, True)
+    """Per pass, the most issued and not yet released at once (never waited: still in flight), and which."""
+    def ag(group, issued, released, pass_start=0.0, rank=0):
+        return schedule.Scheduled(rank, 1, "forward", pass_start, "all_gather", group, issued, released, True, True,
+                                  released)
 
     one_ahead = [ag("root", 0, 1), ag("a", 2, 3), ag("b", 3.5, 5), ag("c", 5.5, 7)]
     assert schedule.most_in_flight(one_ahead)[0] == 1
@@ -365,6 +367,9 @@ def test_most_in_flight():
     at_once = [ag("a", 0, 3), ag("b", 1, 5), ag("c", 2, None), ag("d", 10, 11, pass_start=9)]
     count, flying = schedule.most_in_flight(at_once)
     assert count == 3 and [s.group for s in flying] == ["a", "b", "c"]
+    # a copy-out range opened early (waited) does not end it: its own Work's wait does (released)
+    early = [ag("a", 0, 3), dataclasses.replace(ag("b", 1, 5), waited=1.5)]
+    assert schedule.most_in_flight(early)[0] == 2
 
 
 def test_schedule():

@@ -103,6 +103,27 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            ctx.post_forward_order[index - 1].prefetch()\n",
         "            for earlier in reversed(ctx.post_forward_order[:index]) if _FIRST[0] is not ctx else []:\n"
         "                earlier.prefetch()\n")],
+    # Two groups ahead, each group's own all-gather waited for first: every all-gather still looks overlapped, and
+    # one more block gathered fits task 3's memory allowance; two in flight at once is not FSDP2's schedule.
+    "prefetch-two-ahead": [(
+        "            if self.group in order and (i := order.index(self.group)) + 1 < len(order):\n"
+        "                order[i + 1].prefetch()\n",
+        "            if self.group in order:\n                i = order.index(self.group)\n"
+        "                for later in order[i + 1:i + 3]:\n                    later.prefetch()\n"), (
+        "        if index > 0:\n            ctx.post_forward_order[index - 1].prefetch()\n",
+        "        for earlier in reversed(ctx.post_forward_order[max(index - 2, 0):index]):\n"
+        "            earlier.prefetch()\n")],
+    # The next group's all-gather issued before this group's own is waited for (two in flight), with an empty
+    # copy-out range of this group's opened first: the schedule's wait, though its Work is waited for after the issue.
+    "prefetch-before-own-wait-early-copy-out": [(
+        "            self.group.unshard()  # no-op if prefetched or still gathered\n"
+        "            self.group.wait_for_unshard()\n            # region task2",
+        "            self.group.unshard()  # no-op if prefetched or still gathered\n"
+        "            with record_function(self.group.link_label(ALL_GATHER_WAIT_RANGE)):\n"
+        "                pass\n            # region task2"), (
+        "            # endregion\n            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch\n",
+        "            # endregion\n            self.group.wait_for_unshard()\n"
+        "            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch\n")],
     # Tells the runs apart by the step it is in: every group prefetched at once through step 3 (the last a
     # profiled run of tasks 2 and 3 has), nothing from step 4 (which only the memory job has). The memory check
     # judges the peak on the profiled steps only.

@@ -120,6 +120,23 @@ def background_job() -> int:
     return int(os.read(r, 32))
 
 
+def plant_ipc_job(key: int, path: str) -> int:
+    """Leaves what is no file (a System V shared memory segment) and a file in /run/lock; the segment's id."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if os.environ["RANK"] != "0":
+        return -1
+    Path(path).write_bytes(b"left")
+    return libc.shmget(key, 1 << 20, 0o1000 | 0o666)  # IPC_CREAT
+
+
+def process_limit_job() -> list[int]:
+    import resource
+
+    return list(resource.getrlimit(resource.RLIMIT_NPROC))
+
+
 _HELD = []
 
 
@@ -314,6 +331,22 @@ def test_a_pool_closing_beside_a_live_one_leaves_its_files():
     finally:
         live.close()
     assert not path.exists(), "the pool that held it left it behind"
+
+
+@as_root
+def test_what_is_no_file_or_lies_in_run_lock_is_removed_too():
+    """A System V segment (it outlives every process) and a file in /run/lock (world-writable, as /tmp) that a
+    pool's rank left are gone once it closes; the sandbox user holds a bounded number of processes."""
+    import ctypes
+
+    key, path = 0x7F000000 | (os.getpid() & 0xFFFF), Path(f"/run/lock/fsdp-left-{uuid.uuid4().hex}")
+    with RankPool(2, role="sandboxed") as pool:
+        shmid = pool.run(plant_ipc_job, key, str(path), timeout=60)[0]
+        assert shmid >= 0 and path.exists()
+        assert pool.run(process_limit_job, timeout=60) == [[sandbox.MAX_PROCESSES] * 2] * 2
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.shmget(key, 0, 0) == -1, "the segment outlived its pool"
+    assert not path.exists(), "the file in /run/lock outlived its pool"
 
 
 def test_a_pool_that_cannot_start_leaves_nothing(monkeypatch):

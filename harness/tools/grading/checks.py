@@ -375,8 +375,9 @@ def assert_overlap(p: Profiles, which: str) -> str:
                 raise AssertionError(
                     f"{p.what}: {name}: {count} were in flight at once (rank {flying[-1].rank}, step "
                     f"{flying[-1].step}: {', '.join(o.group for o in flying)}'s issued before any of them was waited "
-                    f"for; FSDP2 gathers one group ahead, at most {IN_FLIGHT} in flight). Gathering every group at "
-                    f"once holds all their parameters: {fix}, and only that group.")
+                    f"for; FSDP2 waits for a group's own all-gather, then starts the next group's, one in flight at a "
+                    f"time). Gathering groups further ahead holds more parameters than FSDP2: {fix}, and only that "
+                    "group, after this group's own was waited for.")
         hidden = p.effdl.comm.kind(kind).by_phase[phase].hidden_fraction
         shown.append(f"{phase} {kind.replace('_', '-')}s {done}/{could} overlapped ({hidden:.0%} of their time hidden)")
     return ", ".join(shown)

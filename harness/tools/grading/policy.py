@@ -72,8 +72,9 @@ def describe(cfg: train.Config, world: int) -> str:
 # the same on every run of a program however busy the machine. Time fractions (how much of the
 # collectives' time compute ran) depend on thread scheduling (under load the reference's fell
 # from 30-58 % to 7 %) and are only shown as evidence. FSDP2 on CPU waits for each right away.
-IN_FLIGHT = 2
-"""all-gathers of one pass in flight at once (issued, not yet waited for): a group's own and the next group's"""
+IN_FLIGHT = 1
+"""all-gathers of one pass in flight at once (issued, not yet waited for): FSDP2 waits for a group's own, then
+starts the next group's"""
 
 OVERLAP = {
     "forward": [("all_gather", "forward", "task 2: start the next group's all-gather asynchronously "

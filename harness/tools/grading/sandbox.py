@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import secrets
 import shutil
 import stat
@@ -35,6 +36,8 @@ USER = "fsdp-sandbox"
 MAX_FILE = 1 << 30
 """bytes of one file a sandboxed rank wrote that the grader copies back (a trace is megabytes)"""
 MAX_FILES = 4096
+MAX_PROCESSES = 4096
+"""processes and threads the sandbox user may hold at once (RLIMIT_NPROC), every pool's ranks together"""
 
 
 KEPT = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "CXX", "CC", "CUDA_HOME", "CUDA_PATH",
@@ -262,6 +265,9 @@ def enter(private: Private) -> None:
         return
     if private.network is not None:
         Network.join(private.network)
+    # A bound on the sandbox user's processes (threads count too: a rank has dozens), so that a fork storm can
+    # neither exhaust the machine's process table nor outrun `sweep`.
+    resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
     os.setgroups([])
     os.setgid(private.gid)
     os.setuid(private.uid)
@@ -404,7 +410,7 @@ def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
 # Folders every user may write into: what the sandbox user leaves there outlives its pool, and can stand in
 # a later root process's way (a /tmp/pytest-of-root made first makes root's pytest refuse its temporary
 # folder; a /tmp/torchinductor_root would hand code to root's torch.compile).
-SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue")
 
 
 def _held(uid: int) -> set[str]:
@@ -425,10 +431,38 @@ def _held(uid: int) -> set[str]:
     return held
 
 
+def _sweep_ipc(uid: int) -> list[str]:
+    """Remove the System V shared memory segments, message queues and semaphore sets `uid` owns: they are no
+    files, and outlive every process (a segment of gigabytes would stay pinned for every later submission). A
+    segment still attached goes once its last process detaches. Not under the simulated macOS (no /proc)."""
+    if compat.simulated():
+        return []
+    libc = ctypes.CDLL(None, use_errno=True)
+    remove = {"shm": lambda i: libc.shmctl(i, 0, None), "msg": lambda i: libc.msgctl(i, 0, None),
+              "sem": lambda i: libc.semctl(i, 0, 0)}  # IPC_RMID
+    removed = []
+    for kind, rmid in remove.items():
+        try:
+            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+        except OSError:
+            continue
+        header = lines[0].split() if lines else []
+        if "uid" not in header or len(header) < 2:
+            continue
+        for line in lines[1:]:
+            fields = line.split()
+            if len(fields) == len(header) and int(fields[header.index("uid")]) == uid:
+                ident = int(fields[1])
+                if rmid(ident) == 0:
+                    removed.append(f"System V {kind} {ident}")
+    return removed
+
+
 def sweep_files(folders: tuple[str, ...] = SHARED_FOLDERS) -> list[str]:
     """As root: remove every entry of the shared folders that the sandbox user owns (a folder with all in
     it; no link is followed), except what a live process of that user holds (`_held`: another pool's,
-    whose own close sweeps it). Returns what was removed. Not root: nothing (the student's own run)."""
+    whose own close sweeps it), and its System V IPC objects. Returns what was removed. Not root: nothing
+    (the student's own run)."""
     if not wanted():
         return []
     try:
@@ -436,7 +470,7 @@ def sweep_files(folders: tuple[str, ...] = SHARED_FOLDERS) -> list[str]:
     except SandboxError:
         return []
     held = _held(uid)
-    removed = []
+    removed = _sweep_ipc(uid)
     for folder in folders:
         try:
             entries = list(os.scandir(folder))

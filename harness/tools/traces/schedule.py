@@ -51,6 +51,9 @@ class Scheduled:
     """the thread had to wait (False: a reduce-scatter found already finished, see WAIT_RANGE)."""
     overlapped: bool
     """compute of another group ran on the thread between issue and wait, or it never blocked."""
+    released: float | None = None
+    """when it stopped being in flight: the later of `waited` and its own Work's first wait (a copy-out range
+    opened early, its Work waited for later, was still in flight meanwhile); None: never waited for."""
 
 
 BLOCKING_WAIT, DONE_WAIT = "Work.wait (blocking)", "Work.wait (done)"
@@ -378,6 +381,7 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                     what = "at once"
                 # Its own Work waited for, while it ran, before any compute and before FSDP's ranges say so: at once.
                 own = own_wait(op)
+                released = None if waited is None else waited if own is None else max(waited, own)
                 if own is not None and what != "at once" and (waited is None or own < waited) \
                         and bisect.bisect_left(compute, end) == bisect.bisect_left(compute, own):
                     waited, what = own, "at once"
@@ -387,7 +391,7 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                 phase_range = next(((s, e) for s, e, _ in t.phases.ranges if s <= op["ts"] <= e), None)
                 out.append(Scheduled(t.rank, t.steps.at(op["ts"]), t.phases.at(op["ts"], OTHER),
                                      phase_range[0] if phase_range else -1.0, kind, group, op["ts"], waited,
-                                     blocked, ran or what == "reduce_scatter_done"))
+                                     blocked, ran or what == "reduce_scatter_done", released))
     return sorted(out, key=lambda s: (s.rank or 0, s.issued))
 
 
@@ -406,17 +410,17 @@ def must_overlap(scheduled: list[Scheduled]) -> list[Scheduled]:
 
 
 def most_in_flight(scheduled: list[Scheduled]) -> tuple[int, list[Scheduled]]:
-    """Of one kind and phase: the most issued and not yet waited for at once within one pass (a never-waited one
-    stays in flight), and those collectives, at the issue where it was reached. Prefetching the group that runs
-    next keeps at most two all-gathers in flight (a group's own and the next's; FSDP2 waits for its own first);
-    issuing every group's at the start of a pass would also pass for overlap, holding every group gathered."""
+    """Of one kind and phase: the most issued and not yet released at once within one pass (`Scheduled.released`:
+    a never-waited one stays in flight), and those collectives, at the issue where it was reached. FSDP2 waits for
+    a group's own all-gather, then starts the next group's: one in flight at a time. Issuing two groups ahead, or
+    every group's at the start of a pass, would also pass for overlap, holding more groups gathered."""
     passes: dict[tuple, list[Scheduled]] = defaultdict(list)
     for s in scheduled:
         passes[s.rank, s.pass_start].append(s)
     most: list[Scheduled] = []
     for ops in passes.values():
         for s in ops:
-            flying = [o for o in ops if o.issued <= s.issued and (o.waited is None or o.waited > s.issued)]
+            flying = [o for o in ops if o.issued <= s.issued and (o.released is None or o.released > s.issued)]
             if len(flying) > len(most):
                 most = sorted(flying, key=lambda o: o.issued)
     return len(most), most
