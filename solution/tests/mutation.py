@@ -124,6 +124,18 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            # endregion\n            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch\n",
         "            # endregion\n            self.group.wait_for_unshard()\n"
         "            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch\n")],
+    # The same, the early range holding a synchronize() of this group's Work, which returns at once on gloo (the work
+    # still running): asked there, released only where wait() finds or makes it done.
+    "prefetch-before-own-wait-synchronize": [(
+        "            self.group.unshard()  # no-op if prefetched or still gathered\n"
+        "            self.group.wait_for_unshard()\n            # region task2",
+        "            self.group.unshard()  # no-op if prefetched or still gathered\n"
+        "            with record_function(self.group.link_label(ALL_GATHER_WAIT_RANGE)):\n"
+        "                if self.group.pending_gather is not None and self.group.pending_gather.work is not None:\n"
+        "                    self.group.pending_gather.work.synchronize()\n            # region task2"), (
+        "            # endregion\n            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch\n",
+        "            # endregion\n            self.group.wait_for_unshard()\n"
+        "            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch\n")],
     # Tells the runs apart by the step it is in: every group prefetched at once through step 3 (the last a
     # profiled run of tasks 2 and 3 has), nothing from step 4 (which only the memory job has). The memory check
     # judges the peak on the profiled steps only.
@@ -631,6 +643,7 @@ SOURCE_CHEATS: dict[str, str] = {
     'boxed-work': 'import torch.distributed as dist\n\n\ndef finish(work):\n    dist.Work.unbox(work.boxed()).wait()\n',
     # A poll the marks do not stand in for: is_success() raises until the work is done.
     'is-success-poll': 'import torch.distributed as dist\n\n\ndef done(work):\n    return work.is_success()\n',
+    'get-future-release': 'import torch.distributed as dist\n\n\ndef release(work):\n    return work.get_future()\n',
 }
 SOURCE_REFUSALS: dict[str, str] = {
     'own-name-on-torch-module': '`._load_from_bytes`',
@@ -703,6 +716,7 @@ SOURCE_REFUSALS: dict[str, str] = {
     'torch-class-to-own-function': 'passes `torch.Tensor`, torch\'s or Python\'s, to its own function install',
     'boxed-work': "its work handle's wait()",
     'is-success-poll': "its work handle's wait()",
+    'get-future-release': "its work handle's wait()",
     'unpacked-getattr': "with its arguments unpacked",
     'update-wrapper-globals': "@functools.wraps(f)",
     'global-enum-detectors': "`global_enum`",

@@ -173,7 +173,9 @@ ADVICE = {
                     "an FSDP runs its ops as anyone does: torch's dispatch keys are not its to change"),
     # Reads and writes attributes named by its arguments (assigned=, updated=), onto any object.
     "update_wrapper": "decorate your own function with @functools.wraps(f)",
-    **dict.fromkeys(("sleep", "block_current_stream", "get_future_result"),
+    # get_future() returns at once on gloo, the work still running: a group it "waited" for early looked
+    # released while its all-gather ran (an all-gather more in flight than the check counted).
+    **dict.fromkeys(("sleep", "block_current_stream", "get_future_result", "get_future"),
                     "wait for a collective with its work handle's wait(), which the overlap check sees"),
     # A tensor's values read into Python without an op the collective log sees (a collective's output polled
     # before its wait: [Note: a collective's result read before its wait] in jobs.py).

@@ -73,6 +73,10 @@ each of which lets the result be read; an is_completed() that says True at once 
 FSDP's own ranges do not show (a program can open an empty `FSDP::all_gather_copy_out` range later) is
 still the collective's wait. An all-gather's first tag after its issue, of either kind, is where its result
 was asked for; a reduce-scatter found done was not waited for (FSDP2's and the reference's `reduce_scatter_done`)."""
+ASKED = "Work asked #"
+"""A Work asked while it ran by a way of waiting that returns at once on gloo, the work still running (synchronize,
+get_future...): where it was asked, as WAITED, for the overlap check (a program may read its result from there);
+never where it was released (`Scheduled.released`): only a wait that found or made it done releases it."""
 _ISSUING = ("_allgather_base", "allgather", "allgather_into_tensor_coalesced", "_reduce_scatter_base",
             "reduce_scatter", "reduce_scatter_tensor_coalesced", "allreduce")
 """the ProcessGroup methods behind every public all-gather, reduce-scatter and all-reduce."""
@@ -199,7 +203,7 @@ def marked_waits():
             if not isinstance(self, work_type):
                 return plain[name](self, *args, **kwargs)
             running.discard(id(self))
-            tag(FOUND_DONE if plain["is_completed"](self) else WAITED, self)
+            tag(FOUND_DONE if plain["is_completed"](self) else ASKED, self)
             with torch.profiler.record_function(OTHER_WAIT):
                 return plain[name](self, *args, **kwargs)
         return waits
@@ -334,30 +338,35 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
         issued_tags = sorted((e["ts"], e["name"][len(ISSUED):]) for e in on if e["name"].startswith(ISSUED))
         waited_tags: dict[str, list[float]] = defaultdict(list)  # Work -> when it was waited for while running
         done_tags: dict[str, list[float]] = defaultdict(list)  # Work -> when wait() found it done
+        asked_tags: dict[str, list[float]] = defaultdict(list)  # Work -> when a way that returns at once asked it
         for e in on:
-            for prefix, tags in ((WAITED, waited_tags), (FOUND_DONE, done_tags)):
+            for prefix, tags in ((WAITED, waited_tags), (FOUND_DONE, done_tags), (ASKED, asked_tags)):
                 if e["name"].startswith(prefix):
                     tags[e["name"][len(prefix):]].append(e["ts"])
         thread_ops = sorted(op["ts"] for op in t.ops if (op["pid"], op["tid"]) == thread)
 
-        def own_wait(op: dict) -> float | None:
-            """When the program first waited for this collective's own Work (see ISSUED): while it ran, or, for an
+        def own_wait(op: dict) -> tuple[float | None, float | None]:
+            """(when the program first waited for this collective's own Work (see ISSUED): while it ran, or, for an
             all-gather, once it was done (its result may be read from there); its issue's end where no Work method
             ever asked for it (the program learnt it was done another way: polling the output's contents, say),
-            which is a wait at once."""
+            which is a wait at once; when it was first found or made done, its release: None where it was only
+            asked by a way that returns at once (ASKED), which releases nothing). (None, None): not issued through
+            a method the marks tag."""
             end = op["ts"] + op["dur"]
             i = bisect.bisect_left(issued_tags, (end, ""))
             later = bisect.bisect_right(thread_ops, op["ts"])
             if i == len(issued_tags) or later < len(thread_ops) and thread_ops[later] < issued_tags[i][0]:
-                return None  # not issued through a ProcessGroup method marked_waits tags
+                return None, None  # not issued through a ProcessGroup method marked_waits tags
             tagged, work = issued_tags[i]
             # the same address tagged again later is a new Work: this one's waits come before that issue
             until = min((ts for ts, w in issued_tags[i + 1:] if w == work), default=float("inf"))
-            asked = [ts for ts in (*waited_tags.get(work, ()), *done_tags.get(work, ())) if tagged < ts < until]
-            if not asked:
-                return end
-            found = [*waited_tags.get(work, ()), *(done_tags.get(work, ()) if C10D_OPS[op["name"]][0] == "all_gather" else ())]
-            return min((ts for ts in found if tagged < ts < until), default=None)
+            within = lambda *tags: [ts for ts in tags if tagged < ts < until]  # noqa: E731
+            waited, done, asked = (within(*t.get(work, ())) for t in (waited_tags, done_tags, asked_tags))
+            if not (waited or done or asked):
+                return end, end
+            release = min(waited + done, default=None)
+            found = waited + asked + (done if C10D_OPS[op["name"]][0] == "all_gather" else [])
+            return min(found, default=None), release
         hook_wait = sorted(e["ts"] for e in on if e["name"] in HOOK_WAIT_MARKS)
         group_ranges = t.groups.get(thread)
         for (kind, group), ops in issues.items():
@@ -380,8 +389,9 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                 elif waited is not None and hook and waited <= hook[1]:
                     what = "at once"
                 # Its own Work waited for, while it ran, before any compute and before FSDP's ranges say so: at once.
-                own = own_wait(op)
-                released = None if waited is None else waited if own is None else max(waited, own)
+                own, release = own_wait(op)
+                released = None if waited is None or own is not None and release is None else \
+                    waited if own is None else max(waited, release)
                 if own is not None and what != "at once" and (waited is None or own < waited) \
                         and bisect.bisect_left(compute, end) == bisect.bisect_left(compute, own):
                     waited, what = own, "at once"
