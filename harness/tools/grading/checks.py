@@ -218,17 +218,27 @@ def check_memory(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str, ju
                                  "something leaks every step (tensors kept by a collective's work, an autograd "
                                  "graph or a buffer that is never freed)")
         margin = allowance(got)
-        steady_ref, steady = (min(m.peaks[step - 1] for step in judged) for m in (ref, got))
-        worst = max(worst, steady - steady_ref)
-        if steady > steady_ref + margin:
-            raise AssertionError(
-                f"{what}: rank {rank}'s peak memory per step is {mib(steady)}, FSDP2's {mib(steady_ref)} "
-                f"(+{mib(steady - steady_ref)}, allowed {mib(margin)}: one block's reduce-scatter input and one "
-                f"collective's buffer freed late; the least of steps {', '.join(map(str, judged))}, the steps whose "
-                "overlap is judged; tensor memory): something is kept longer "
-                f"than FSDP2 keeps it (gathered parameters, gradients, communication buffers). Per step: "
-                f"effdl {', '.join(mib(x) for x in got.peaks)}; FSDP2 {', '.join(mib(x) for x in ref.peaks)}")
+        worst = max(worst, _assert_peak(
+            f"{what}: rank {rank}", [ref.peaks[step - 1] for step in judged], [got.peaks[step - 1] for step in judged],
+            margin, f"the least of steps {', '.join(map(str, judged))}, the steps whose overlap is judged",
+            "gathered parameters", f"Per step: effdl {', '.join(mib(x) for x in got.peaks)}; FSDP2 "
+            f"{', '.join(mib(x) for x in ref.peaks)}"))
     return f"peak {worst / 2**20:+.1f} MiB over FSDP2 (allowed +{margin / 2**20:.1f})"
+
+
+def _assert_peak(who: str, ref: list[int], got: list[int], margin: int, judged: str, kept: str, shown: str) -> int:
+    """effdl's least peak of the judged steps (`got`) at most FSDP2's (`ref`) plus `margin`; returns the excess.
+    The message: `who` (the case and rank), which steps (`judged`), what is typically kept (`kept`), the peaks."""
+    __tracebackhide__ = True
+    mib = lambda n: f"{n / 2**20:.2f} MiB"
+    steady_ref, steady = min(ref), min(got)
+    if steady > steady_ref + margin:
+        raise AssertionError(
+            f"{who}'s peak memory per step is {mib(steady)}, FSDP2's {mib(steady_ref)} (+{mib(steady - steady_ref)}, "
+            f"allowed {mib(margin)}: one block's reduce-scatter input and one collective's buffer freed late; "
+            f"{judged}; tensor memory): something is kept longer than FSDP2 keeps it ({kept}, gradients, "
+            f"communication buffers). {shown}")
+    return steady - steady_ref
 
 
 # --------------------------------------------------------------------------- overlap (tasks 2, 3) and the bonuses
@@ -265,18 +275,12 @@ def assert_profiled_memory(p: Profiles) -> str:
     block_reduce, block_largest = block_bytes(p.cfg, p.world_size)
     margin = block_reduce + LATE_BUFFERS * block_largest
     mib = lambda n: f"{n / 2**20:.2f} MiB"
-    worst = -float("inf")
-    for rank, (ref, got) in enumerate(zip(p.fsdp2.peaks, p.effdl.peaks)):
-        steady_ref, steady = min(ref), min(got)
-        worst = max(worst, steady - steady_ref)
-        if steady > steady_ref + margin:
-            raise AssertionError(
-                f"{p.what}, profiled: rank {rank}'s peak memory per step is {mib(steady)}, FSDP2's {mib(steady_ref)} "
-                f"(+{mib(steady - steady_ref)}, allowed {mib(margin)}: one block's reduce-scatter input and one "
-                f"collective's buffer freed late; the least of the profiled steps {', '.join(map(str, steps))}, "
-                "in the run whose overlap is judged; tensor memory): something is kept longer than FSDP2 keeps it "
-                "(gathered parameters prefetched more than one group ahead, gradients, communication buffers). "
-                f"Per profiled step: effdl {', '.join(mib(x) for x in got)}; FSDP2 {', '.join(mib(x) for x in ref)}")
+    worst = max(_assert_peak(
+        f"{p.what}, profiled: rank {rank}", ref, got, margin,
+        f"the least of the profiled steps {', '.join(map(str, steps))}, in the run whose overlap is judged",
+        "gathered parameters prefetched more than one group ahead",
+        f"Per profiled step: effdl {', '.join(mib(x) for x in got)}; FSDP2 {', '.join(mib(x) for x in ref)}")
+        for rank, (ref, got) in enumerate(zip(p.fsdp2.peaks, p.effdl.peaks)))
     return f"profiled peak {worst / 2**20:+.1f} MiB over FSDP2 (allowed +{margin / 2**20:.1f})"
 
 
