@@ -29,12 +29,17 @@ Groups = dict[str, list[Shape]]
 """FSDP group (ROOT_GROUP, `layers.0`, ...) -> the shapes of its parameters."""
 
 
+def group_of(name: str) -> str:
+    """The FSDP group of a parameter or module, by its name in the model (train.apply_fsdp's wrapping: each
+    block `layers.i`, then the root)."""
+    return ".".join(name.split(".")[:2]) if name.startswith("layers.") else ROOT_GROUP
+
+
 def group_shapes(model: nn.Module) -> Groups:
     """The parameter shapes of each FSDP group of a (meta-device) Llama."""
     groups: Groups = {ROOT_GROUP: []}
     for name, p in model.named_parameters():
-        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ROOT_GROUP
-        groups.setdefault(key, []).append(tuple(p.shape))
+        groups.setdefault(group_of(name), []).append(tuple(p.shape))
     return groups
 
 

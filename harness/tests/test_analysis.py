@@ -12,7 +12,9 @@ import pytest
 
 import train
 from harness import profiling
+from harness.memory_model import ROOT_GROUP
 from harness.tools.traces import analysis, collectives, memory_analysis, schedule
+
 from harness.tools.grading import policy
 from harness.tools.traces.trace import GROUP_RANGE, KINDS, Trace, length, overlap, union
 
@@ -372,6 +374,27 @@ def test_most_in_flight():
     assert schedule.most_in_flight(early)[0] == 2
 
 
+def test_most_ahead():
+    """Per pass, the i-th all-gather is i - k groups ahead, k being how many of the groups that gather had begun
+    computing by the first compute after it (Scheduled.started); a group that gathers nothing (the root in backward)
+    does not count, and an all-gather after which nothing computed is not judged."""
+    def ag(group, issued, started, pass_start=0.0):
+        return schedule.Scheduled(0, 1, "forward", pass_start, "all_gather", group, issued, issued + 1, True, True,
+                                  issued + 1, started)
+
+    gathered = {"root", "a", "b", "c"}
+    one_ahead = [ag("root", 0, ("root",)), ag("a", 1, ("root",)), ag("b", 2, ("root", "a")),
+                 ag("c", 3, ("root", "a", "b"))]
+    assert schedule.most_ahead(one_ahead, gathered)[0] == 1
+    mid_block = [ag("root", 0, ("root",)), ag("a", 1, ("root",)), ag("b", 1.5, ("root",)),
+                 ag("c", 3, ("root", "a")), ag("d", 10, None, pass_start=9)]
+    most, where = schedule.most_ahead(mid_block, gathered)
+    assert most == 2 and where.group == "b"
+    backward = [ag("c", 0, ("root",)), ag("b", 1, ("root", "c")), ag("a", 2, ("root", "c", "b"))]
+    assert schedule.most_ahead(backward, {"a", "b", "c"})[0] == 1
+    assert schedule.most_ahead(backward, gathered)[0] == 0
+
+
 def test_schedule():
     """Overlap by order: compute between issue and wait, the pass's first all-gather and last
     reduce-scatter exempt; waiting in the issuing hook or inside the issue range is no overlap."""
@@ -583,9 +606,11 @@ def test_an_op_run_through_a_dispatch_mode_counts_once():
 
 
 def test_marked_compute_counts_only_the_models(tmp_path):
-    """With a mark, compute is the model's: its own leaf modules' forwards (inside the secret-named range) and
-    autograd's own backward nodes; a token op, one in a range named like a backward node, one in a range
-    under another name, a leaf the program made, or one whose parameters sit behind its code is not. The leaf classes' forwards are put back however the run ends."""
+    """With a mark, compute is the model's: its own leaf modules' forwards (inside the secret-named range, which names
+    the leaf's FSDP group) and the backward nodes of their ops (linked by the profiler's sequence number); a token op,
+    one in a range named like a backward node, one in a range under another name, a leaf the program made, one whose
+    parameters sit behind its code, or the node of a graph the program built itself (or of an op outside the leaves)
+    is not. The leaf classes' forwards are put back however the run ends."""
     import torch
     import torch.nn as nn
 
@@ -613,16 +638,25 @@ def test_marked_compute_counts_only_the_models(tmp_path):
             private(torch.randn(4, 8))
             token("MmBackward0")
             token("## model compute 9999 ##")
+            own = torch.ones(4, requires_grad=True)
+            (own * 3).sum().backward()  # MulBackward0: a backward node, not the model's
             raise RuntimeError("stopped")
     assert nn.Linear.forward is plain
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     on = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("ph") == "X"]
     by_ts = {e["ts"]: e["name"] for e in on if e.get("cat") == "cpu_op"}
-    counted = [by_ts[t] for t in schedule.compute_ops(on, [], [], mark)]
-    assert len([e for e in on if e["name"] == mark]) == 2  # model[0]'s and the ReLU's: not Sub's, Table's, private's
+    computed = schedule.compute_ops(on, [], [], mark)
+    counted = [by_ts[t] for t, _ in computed]
+    assert {group for _, group in computed} == {ROOT_GROUP}  # nn.Sequential's leaves are all the root's
+    # model[0]'s and the ReLU's: not Sub's, Table's (counted, not compute), nor private's
+    assert len([e for e in on if e["name"] == schedule.marked_name(mark, ROOT_GROUP)]) == 2
+    assert schedule.model_calls(on, mark)[0] == 4  # and Sub's and Table's, counted as not compute
     assert "aten::addmm" in counted and "aten::mm" in counted  # forward in the leaf, backward in AddmmBackward0
+    assert "aten::threshold_backward" in counted  # ReluBackward0, linked to the ReLU's forward
     assert "aten::add_" not in counted and "aten::zeros" not in counted, counted
-    unmarked = [by_ts[t] for t in schedule.compute_ops(on, [], [], None)]
+    assert "aten::mul" not in counted  # MulBackward0's: a node, but of the program's own graph
+    assert any(e["name"] == "MulBackward0" for e in on) and any(e["name"] == "SumBackward0" for e in on)
+    unmarked = [by_ts[t] for t, _ in schedule.compute_ops(on, [], [], None)]
     assert "aten::add_" in unmarked  # what a student's own trace counts
 
 

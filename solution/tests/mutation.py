@@ -136,6 +136,50 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            # endregion\n            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch\n",
         "            # endregion\n            self.group.wait_for_unshard()\n"
         "            _prefetch(self.forward_prefetch)  # set_modules_to_forward_prefetch\n")],
+    # The next group's all-gather waited for mid-block (a hook on the block's first child, after some of its
+    # compute) and the group after it issued there: one all-gather in flight at a time, each waited for after
+    # another group's compute, and two groups ahead of the one computing: three groups gathered at once.
+    "prefetch-mid-block": [(
+        "            if self.group in order and (i := order.index(self.group)) + 1 < len(order):\n"
+        "                order[i + 1].prefetch()\n",
+        "            if self.group in order and (i := order.index(self.group)) + 1 < len(order):\n"
+        "                order[i + 1].prefetch()\n"
+        "                if i + 2 < len(order) and (child := next(module.children(), None)) is not None:\n"
+        "                    def mid_block(*_, following=order[i + 1], after=order[i + 2]):\n"
+        "                        handle.remove()\n"
+        "                        following.wait_for_unshard()\n"
+        "                        after.prefetch()\n"
+        "                    handle = child.register_forward_hook(mid_block)\n")],
+    # No backward prefetch: each group's all-gather issued in its own pre-backward, and before it is waited for,
+    # backward nodes run as compute to hide it behind: those of a graph of its own (differentiated there) ...
+    "own-graph-before-own-wait": [(
+        "            self.group.unshard()  # no-op if prefetched or never resharded\n"
+        "            self.group.wait_for_unshard()\n"
+        "            if not self.backward_prefetch:",
+        "            self.group.unshard()  # no-op if prefetched or never resharded\n"
+        "        with torch.enable_grad():  # off in a backward hook\n"
+        "            own = torch.ones(64, 64, requires_grad=True)\n"
+        "            torch.autograd.grad((own @ own).sum(), own)\n"
+        "        with record_function(self.group.label('pre_backward')):\n"
+        "            self.group.wait_for_unshard()\n"
+        "            if not self.backward_prefetch:"), (
+        "        if index > 0:\n            ctx.post_forward_order[index - 1].prefetch()\n", "")],
+    # ... or the model's, called by hand (`grad_fn`, saved in forward, given the gradient the hook was given): the
+    # node of the last op of the block's last leaf (the feed-forward's output projection), or the root's output's.
+    "call-leaf-node-before-own-wait": [(
+        "            t.register_hook(self.pre_backward)\n",
+        "            t.register_hook(self.pre_backward)\n"
+        "                node = t.grad_fn\n"
+        "                self.node = node.next_functions[-1][0] if node.name() == 'AddBackward0' else node\n"), (
+        "            self.group.unshard()  # no-op if prefetched or never resharded\n"
+        "            self.group.wait_for_unshard()\n"
+        "            if not self.backward_prefetch:",
+        "            self.group.unshard()  # no-op if prefetched or never resharded\n"
+        "        if getattr(self, 'node', None) is not None:\n            self.node(grad)\n"
+        "        with record_function(self.group.label('pre_backward')):\n"
+        "            self.group.wait_for_unshard()\n"
+        "            if not self.backward_prefetch:"), (
+        "        if index > 0:\n            ctx.post_forward_order[index - 1].prefetch()\n", "")],
     # Tells the runs apart by the step it is in: every group prefetched at once through step 3 (the last a
     # profiled run of tasks 2 and 3 has), nothing from step 4 (which only the memory job has). The memory check
     # judges the peak on the profiled steps only.

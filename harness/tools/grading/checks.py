@@ -18,11 +18,11 @@ import torch
 import train
 from harness.tools.grading import fsdp2_cache, handwritten
 from harness.tools.traces.analysis import RunStats, analyze_run
-from harness.tools.traces.schedule import drawn_mark, most_in_flight
+from harness.tools.traces.schedule import drawn_mark, most_ahead, most_in_flight
 from harness.tools.grading.compare import (assert_same_comm, assert_same_numbers, assert_same_parameters, fmt,
                                    tensor_difference, ulps)
 from harness.tools.grading.jobs import Run, block_bytes, forward_job, memory_job, odd_shapes_job, shard_job, train_job
-from harness.tools.grading.policy import (HSDP, HSDP_MEMORY_STEPS, IN_FLIGHT, LATE_BUFFERS, MODES, OVERLAP,
+from harness.tools.grading.policy import (AHEAD, HSDP, HSDP_MEMORY_STEPS, IN_FLIGHT, LATE_BUFFERS, MODES, OVERLAP,
                                           PRECISIONS, PROFILED, as_fsdp2, config, describe, mode_flags,
                                           profiled_steps)
 from harness.tools.grading.ranks import RankError, RankPool, Ranks
@@ -347,10 +347,11 @@ def assert_overlap(p: Profiles, which: str) -> str:
     __tracebackhide__ = True
     assert_same_collectives(p)
     if p.effdl.model_calls != p.fsdp2.model_calls:
+        (forwards, nodes), (ref_forwards, ref_nodes) = p.effdl.model_calls, p.fsdp2.model_calls
         raise AssertionError(
-            f"{p.what}: the model's layers ran {p.effdl.model_calls} forwards in the profiled steps, under FSDP2 "
-            f"{p.fsdp2.model_calls}: an FSDP never calls the model's modules itself (only compute the model does "
-            "counts as overlap, see docs/measuring.md)")
+            f"{p.what}: the model's layers ran {forwards} forwards and {nodes} backward nodes in the profiled steps, "
+            f"under FSDP2 {ref_forwards} and {ref_nodes}: an FSDP never calls the model's modules, or their "
+            "autograd nodes (`grad_fn`), itself (only compute the model does counts as overlap, see docs/measuring.md)")
     shown = []
     for kind, phase, fix in OVERLAP[which]:
         if not p.effdl.comm.kind(kind).by_phase[phase].count:
@@ -382,6 +383,17 @@ def assert_overlap(p: Profiles, which: str) -> str:
                     f"for; FSDP2 waits for a group's own all-gather, then starts the next group's, one in flight at a "
                     f"time). Gathering groups further ahead holds more parameters than FSDP2: {fix}, and only that "
                     "group, after this group's own was waited for.")
+            gathered = {s.group for s in p.fsdp2.scheduled if (s.kind, s.phase) == (kind, phase)}
+            ahead, s = most_ahead([s for s in p.effdl.scheduled if (s.kind, s.phase) == (kind, phase)], gathered)
+            if ahead > AHEAD:
+                began = [g for g in s.started if g in gathered]
+                raise AssertionError(
+                    f"{p.what}: {name}: issued {ahead} groups ahead of the groups computing (rank {s.rank}, step "
+                    f"{s.step}: when {s.group}'s was issued, {len(began)} of the groups that gather had begun computing "
+                    f"({', '.join(began) or 'none'}) and {len(began) + ahead} all-gathers of the pass had been issued; "
+                    "FSDP2 gathers a group as it starts, then the next: one ahead). "
+                    f"Gathering groups further ahead holds more parameters than FSDP2, wherever the program waits: "
+                    f"{fix}, and only that group, after this group's own was waited for.")
         hidden = p.effdl.comm.kind(kind).by_phase[phase].hidden_fraction
         shown.append(f"{phase} {kind.replace('_', '-')}s {done}/{could} overlapped ({hidden:.0%} of their time hidden)")
     return ", ".join(shown)

@@ -75,6 +75,9 @@ def describe(cfg: train.Config, world: int) -> str:
 IN_FLIGHT = 1
 """all-gathers of one pass in flight at once (issued, not yet waited for): FSDP2 waits for a group's own, then
 starts the next group's"""
+AHEAD = 1
+"""groups an all-gather may run ahead of the groups computing (schedule.most_ahead): FSDP2 gathers a group as it
+starts, then the next; wherever a program waits, gathering further ahead holds more groups' parameters"""
 
 OVERLAP = {
     "forward": [("all_gather", "forward", "task 2: start the next group's all-gather asynchronously "

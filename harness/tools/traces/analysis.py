@@ -46,8 +46,9 @@ class RunStats:
     """per rank."""
     scheduled: list[Scheduled] = field(default_factory=list)
     """every FSDP group's collective of every rank (see `schedule`)."""
-    model_calls: int | None = None
-    """forwards of the model's leaf modules over every rank's profiled steps (schedule.model_calls), when marked."""
+    model_calls: tuple[int, int] | None = None
+    """forwards of the model's leaf modules, and runs of their backward nodes, over every rank's profiled steps
+    (schedule.model_calls), when marked."""
     c10d_calls: dict[str, int] = field(default_factory=dict)
     """collective op -> how many times the dispatcher ran it, over every rank's profiled steps (Trace.c10d_calls)."""
     peaks: list[list[int]] = field(default_factory=list)
@@ -88,7 +89,7 @@ def without_cycle_collection():
 
 
 def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) -> RunStats:
-    steps, memories, scheduled, calls, c10d, peaks, problem = [], [], [], 0, {}, [], ""
+    steps, memories, scheduled, calls, c10d, peaks, problem = [], [], [], (0, 0), {}, [], ""
     for path in rank_files(traces, ".json"):
         t = Trace(path)
         if t.data.get("profile_memory") and not t.cuda:  # torch's mark of a trace with allocation events
@@ -100,7 +101,8 @@ def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) 
             c10d[name] = c10d.get(name, 0) + n
         steps += analyze_trace(t)
         scheduled += schedule(t, mark)
-        calls += model_calls(t, mark) if mark is not None else 0
+        if mark is not None:
+            calls = tuple(a + b for a, b in zip(calls, model_calls(t.ranges, mark)))
         if snapshots is None:
             continue
         snapshot = Path(snapshots) / f"{path.stem}.pickle"

@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from harness.tools.traces.trace import C10D_OPS, LINK, OTHER, ROOT_GROUP, Trace, inside, span_at, union
+from harness.memory_model import group_of
+from harness.tools.traces.trace import C10D_OPS, LINK, OTHER, ROOT_GROUP, Ranges, Trace, inside, span_at, union
 
 # Where the main thread waited for a group's collective: the all-gather's copy-out (FSDP2's name),
 # and PendingReduce.finish's two ranges: `reduce_scatter_wait` when the reduce-scatter was still
@@ -54,6 +55,9 @@ class Scheduled:
     released: float | None = None
     """when it stopped being in flight: the later of `waited` and its own Work's first wait (a copy-out range
     opened early, its Work waited for later, was still in flight meanwhile); None: never waited for."""
+    started: tuple[str, ...] | None = None
+    """in a marked trace, the groups whose model compute had begun in this pass by the first compute after its issue
+    (in the order they began; see `most_ahead`); None: unmarked, or nothing computed after it in the pass."""
 
 
 BLOCKING_WAIT, DONE_WAIT = "Work.wait (blocking)", "Work.wait (done)"
@@ -240,10 +244,33 @@ def marked_waits():
 #   leaf's forward, and a program cannot name a range it does not know;
 # - backward: the autograd engine's own nodes, the `cpu_op` ranges named `<Op>Backward<N>` (an
 #   autograd.Function's node is named `<Class>Backward`, a hook runs outside its node's range, and a
-#   `record_function` range is a `user_annotation`, whatever its name).
+#   `record_function` range is a `user_annotation`, whatever its name), of the ops a leaf's marked forward ran:
+#   a node carries the sequence number of the forward op that made it (the profiler's "Sequence number"), so
+#   a node of a graph the program built for itself, or of an op outside the model's leaves, is not compute.
+# Each range also names the leaf's FSDP group (memory_model.group_of), and so does each node, through its forward
+# op: which group computes when, whatever the program names its own ranges (`most_ahead`). How many of each ran
+# is compared with FSDP2's (`model_calls`): a program that calls a model's node itself runs one more.
 MODEL_BACKWARD = re.compile(r"^\w+Backward\d+$")
 NOT_COMPUTE = " (not compute)"
 """after the mark: a forward of the model's own leaf whose class or tables were changed, counted, not compute."""
+SEQUENCE = "Sequence number"
+"""the profiler's link between a forward op and the backward node it made (both carry it)."""
+
+
+def marked_name(mark: str, group: str, compute: bool = True) -> str:
+    """The name of one of `marked_compute`'s ranges: the mark, whether it is compute, and the leaf's group."""
+    return f"{mark}{'' if compute else NOT_COMPUTE} @{group}"
+
+
+def marked_group(name: str, mark: str) -> tuple[str, bool] | None:
+    """(group, whether it is compute) of a range `marked_name` named; None for any other name."""
+    if not name.startswith(mark):
+        return None
+    rest = name[len(mark):]
+    for tail, compute in ((" @", True), (NOT_COMPUTE + " @", False)):
+        if rest.startswith(tail):
+            return rest[len(tail):], compute
+    return None
 
 
 def drawn_mark() -> str:
@@ -262,7 +289,8 @@ def marked_compute(model: torch.nn.Module, mark: str):
 
     homes = tuple(str(Path(m.__file__).parent) + "/" for m in (torch, torchtitan))
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    mine = {id(m) for m in leaves}  # the model's own leaves: a Linear the FSDP makes for itself is not the model
+    # the model's own leaves, each with its group: a Linear the FSDP makes for itself is not the model
+    mine = {id(m): group_of(name) for name, m in model.named_modules() if next(m.children(), None) is None}
     plain = {}
     for cls in {type(m) for m in leaves}:
         forward = cls.__dict__.get("forward")
@@ -278,7 +306,7 @@ def marked_compute(model: torch.nn.Module, mark: str):
             # runs nothing of the FSDP's.
             plain_module = type(self) is cls and all(
                 type(self.__dict__.get(table)) is dict for table in ("_parameters", "_buffers", "_modules"))
-            with torch.profiler.record_function(mark if plain_module else mark + NOT_COMPUTE):
+            with torch.profiler.record_function(marked_name(mark, mine[id(self)], plain_module)):
                 return forward(self, *args, **kwargs)
         return run
 
@@ -291,21 +319,47 @@ def marked_compute(model: torch.nn.Module, mark: str):
             cls.forward = forward
 
 
-def model_calls(t: Trace, mark: str) -> int:
-    """How many forwards of the model's leaf modules ran in the trace's profiled steps, compute or not."""
-    return sum(1 for e in t.ranges if e.get("cat") == "user_annotation" and e["name"] in (mark, mark + NOT_COMPUTE))
+def model_calls(events: list[dict], mark: str) -> tuple[int, int]:
+    """(forwards of the model's leaf modules, compute or not; runs of their ops' backward nodes) in these events."""
+    forwards = sum(1 for e in events if e.get("cat") == "user_annotation" and marked_group(e["name"], mark))
+    nodes = linked_nodes(events, mark)
+    return forwards, sum(1 for e in events if e.get("cat") == "cpu_op" and e.get("args", {}).get(SEQUENCE) in nodes
+                         and MODEL_BACKWARD.match(e["name"]))
 
 
-def compute_ops(on: list[dict], fsdp: list, c10d: list, mark: str | None) -> list[float]:
-    """The start of every op on one thread that counts as compute (see [Note: what counts as compute])."""
+def linked_nodes(events: list[dict], mark: str) -> dict[int, str]:
+    """Sequence number -> group, of every op that ran inside a leaf's marked forward which is compute, whatever
+    thread: the backward nodes those ops made carry the same number (see [Note: what counts as compute]). A number
+    found in two groups (two threads' counters) links neither."""
+    leaves: dict[tuple, list] = defaultdict(list)  # thread -> the compute ranges of leaf forwards on it
+    for e in events:
+        if e.get("cat") == "user_annotation" and (marked := marked_group(e["name"], mark)) and marked[1]:
+            leaves[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"], marked[0]))
+    at = {thread: Ranges(spans) for thread, spans in leaves.items()}
+    out: dict[int, str] = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and (n := e.get("args", {}).get(SEQUENCE)) is not None \
+                and e["name"].startswith("aten::") and (thread := at.get((e["pid"], e["tid"]))) \
+                and (group := thread.at(e["ts"])) is not None:
+            out[n] = group if out.get(n, group) == group else ""
+    return {n: group for n, group in out.items() if group}
+
+
+def compute_ops(on: list[dict], fsdp: list, c10d: list, mark: str | None,
+                nodes: dict[int, str] | None = None) -> list[tuple[float, str | None]]:
+    """(start, group) of every op on one thread that counts as compute (see [Note: what counts as compute]), in
+    order; group None where unmarked. nodes: `linked_nodes` of the whole trace (default: of these events)."""
     ops = [e for e in on if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
            and not inside(e["ts"], fsdp) and not inside(e["ts"], c10d)]
-    if mark is not None:
-        model = union((e["ts"], e["ts"] + e["dur"]) for e in on if
-                      e.get("cat") == "user_annotation" and e["name"] == mark
-                      or e.get("cat") == "cpu_op" and MODEL_BACKWARD.match(e["name"]))
-        ops = [e for e in ops if inside(e["ts"], model)]
-    return sorted(e["ts"] for e in ops)
+    if mark is None:
+        return sorted((e["ts"], None) for e in ops)
+    nodes = linked_nodes(on, mark) if nodes is None else nodes
+    leaves = Ranges((e["ts"], e["ts"] + e["dur"], marked[0]) for e in on if e.get("cat") == "user_annotation"
+                    and (marked := marked_group(e["name"], mark)) and marked[1])
+    backward = Ranges((e["ts"], e["ts"] + e["dur"], nodes[n]) for e in on if e.get("cat") == "cpu_op"
+                      and MODEL_BACKWARD.match(e["name"]) and (n := e.get("args", {}).get(SEQUENCE)) in nodes)
+    # a leaf's forward recomputed inside a node's (activation checkpointing) is looked up first
+    return sorted((e["ts"], group) for e in ops if (group := leaves.at(e["ts"]) or backward.at(e["ts"])) is not None)
 
 
 def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[Scheduled]:
@@ -317,12 +371,28 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
     depend on how threads were scheduled."""
     t = trace if isinstance(trace, Trace) else Trace(trace)
     out = []
+    nodes = linked_nodes(t.ranges, mark) if mark is not None else None
     for thread in {(op["pid"], op["tid"]) for op in t.ops}:
         on = [e for e in t.ranges if (e["pid"], e["tid"]) == thread]
         fsdp = union((e["ts"], e["ts"] + e["dur"]) for e in on
                      if e.get("cat") == "user_annotation" and e["name"].startswith("FSDP::"))
         c10d = union((e["ts"], e["ts"] + e["dur"]) for e in on if e["name"].startswith(("c10d::", "_c10d_functional::")))
-        compute = compute_ops(on, fsdp, c10d, mark)
+        computed = compute_ops(on, fsdp, c10d, mark, nodes)
+        compute = [ts for ts, _ in computed]
+        began: dict[tuple, list[tuple[float, str]]] = {}  # pass -> (first compute, group) of each group in it
+
+        def started(pass_range: tuple[float, float], issued: float) -> tuple[str, ...] | None:
+            """Scheduled.started: the groups whose compute began in the pass by the first compute after `issued`."""
+            if pass_range not in began:
+                first: dict[str, float] = {}
+                for ts, group in computed[bisect.bisect_left(compute, pass_range[0]):
+                                          bisect.bisect_right(compute, pass_range[1])]:
+                    first.setdefault(group, ts)
+                began[pass_range] = sorted((ts, group) for group, ts in first.items() if group is not None)
+            k = bisect.bisect_left(compute, issued)
+            if mark is None or k == len(compute) or compute[k] > pass_range[1]:
+                return None
+            return tuple(group for ts, group in began[pass_range] if ts <= compute[k])
         waits: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)  # (kind, group) -> (ts, what)
         for e in on:
             if e.get("cat") == "user_annotation" and (m := WAIT_RANGE.match(e["name"])):
@@ -401,7 +471,8 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                 phase_range = next(((s, e) for s, e, _ in t.phases.ranges if s <= op["ts"] <= e), None)
                 out.append(Scheduled(t.rank, t.steps.at(op["ts"]), t.phases.at(op["ts"], OTHER),
                                      phase_range[0] if phase_range else -1.0, kind, group, op["ts"], waited,
-                                     blocked, ran or what == "reduce_scatter_done", released))
+                                     blocked, ran or what == "reduce_scatter_done", released,
+                                     started(phase_range, end) if phase_range else None))
     return sorted(out, key=lambda s: (s.rank or 0, s.issued))
 
 
@@ -417,6 +488,26 @@ def must_overlap(scheduled: list[Scheduled]) -> list[Scheduled]:
         ops.sort(key=lambda s: s.issued)
         out += ops[1:] if ops[0].kind == "all_gather" else ops[:-1]
     return out
+
+
+def most_ahead(scheduled: list[Scheduled], gathered: set[str]) -> tuple[int, Scheduled | None]:
+    """Of one kind and phase, marked: how many groups the most all-gathers issued in a pass ran ahead of the groups
+    that compute, and the all-gather where it was reached. The i-th all-gather of a pass is i - k groups ahead, where
+    k of the groups that gather in this pass (`gathered`: FSDP2's, by its own ranges) had begun computing by the
+    first compute after it (`Scheduled.started`). FSDP2 gathers a group as it starts, then the next: one ahead.
+    Unlike `most_in_flight`, this does not depend on where the program waits: a group whose all-gather was waited
+    for early (mid-block, from a hook on a block's child) and the next issued then holds one more group gathered
+    with one all-gather in flight; and unlike a count of groups between an all-gather and its wait, not on the names
+    the program gives its ranges."""
+    passes: dict[tuple, list[Scheduled]] = defaultdict(list)
+    for s in scheduled:
+        passes[s.rank, s.pass_start].append(s)
+    most, where = 0, None
+    for ops in passes.values():
+        for i, s in enumerate(sorted(ops, key=lambda o: o.issued), 1):
+            if s.started is not None and (ahead := i - len(gathered.intersection(s.started))) > most:
+                most, where = ahead, s
+    return most, where
 
 
 def most_in_flight(scheduled: list[Scheduled]) -> tuple[int, list[Scheduled]]:
