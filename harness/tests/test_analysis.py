@@ -622,6 +622,7 @@ def test_marked_compute_counts_only_the_models(tmp_path):
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Sub(8, 8), nn.Linear(8, 8))
     model[3]._parameters = Table(model[3]._parameters)
+    model[1].register_forward_hook(lambda *_: None)  # hooks on a leaf: Module.__call__ runs it one frame deeper
     private = nn.Linear(8, 8)  # a leaf the program made for itself, not the model's
     plain = nn.Linear.forward
     mark = "## model compute 1234 ##"
@@ -636,6 +637,7 @@ def test_marked_compute_counts_only_the_models(tmp_path):
             model(torch.randn(4, 8)).sum().backward()
             torch.zeros(1).add_(1)
             private(torch.randn(4, 8))
+            model[0](torch.randn(4, 8))  # the model's leaf, called by something else than its parent's forward
             token("MmBackward0")
             token("## model compute 9999 ##")
             own = torch.ones(4, requires_grad=True)
@@ -648,9 +650,12 @@ def test_marked_compute_counts_only_the_models(tmp_path):
     computed = schedule.compute_ops(on, [], [], mark)
     counted = [by_ts[t] for t, _ in computed]
     assert {group for _, group in computed} == {ROOT_GROUP}  # nn.Sequential's leaves are all the root's
-    # model[0]'s and the ReLU's: not Sub's, Table's (counted, not compute), nor private's
-    assert len([e for e in on if e["name"] == schedule.marked_name(mark, ROOT_GROUP)]) == 2
-    assert schedule.model_calls(on, mark)[0] == 4  # and Sub's and Table's, counted as not compute
+    # compute: model[0]'s and the ReLU's; Sub's and Table's counted, not compute; private's neither
+    assert [e["name"] for e in on if e["name"].startswith(mark)] == [
+        schedule.marked_name(mark, "0"), schedule.marked_name(mark, "1"), schedule.marked_name(mark, "2", False),
+        schedule.marked_name(mark, "3", False), schedule.marked_name(mark, "0" + schedule.FROM_OUTSIDE, False)]
+    assert schedule.model_order(on, mark) == ["0", "1", "2", "3", "0" + schedule.FROM_OUTSIDE]
+    assert schedule.model_calls(on, mark)[0] == 5
     assert "aten::addmm" in counted and "aten::mm" in counted  # forward in the leaf, backward in AddmmBackward0
     assert "aten::threshold_backward" in counted  # ReluBackward0, linked to the ReLU's forward
     assert "aten::add_" not in counted and "aten::zeros" not in counted, counted

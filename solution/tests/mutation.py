@@ -180,6 +180,32 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            self.group.wait_for_unshard()\n"
         "            if not self.backward_prefetch:"), (
         "        if index > 0:\n            ctx.post_forward_order[index - 1].prefetch()\n", "")],
+    # Two blocks' attention norms swapped at the first forward, each position still given its own group's weight
+    # (the same numbers): which group the grader sees computing would follow the instance, not the position.
+    "swap-block-norms": [(
+        "        self.is_root = True\n        fqns: dict[FSDPGroup, list[str]] = {}\n",
+        "        self.is_root = True\n"
+        "        first, second = [m for m in self.module.modules() if isinstance(m, FSDPModule)][1:3]\n"
+        "        a, b = first.attention_norm, second.attention_norm\n"
+        "        first.attention_norm, second.attention_norm = b, a\n"
+        "        for state in states:\n"
+        "            for p in state.group.params if state.group is not None else []:\n"
+        "                p.module = {id(a): b, id(b): a}.get(id(p.module), p.module)\n"
+        "        fqns: dict[FSDPGroup, list[str]] = {}\n")],
+    # Each block's attention norm called from a module of the FSDP's put in its place at the first forward: the same
+    # leaves in the same order, but not called by the model (a file could so time the model's compute as it likes).
+    "norm-called-through-a-module-of-its-own": [(
+        "        self.is_root = True\n        fqns: dict[FSDPGroup, list[str]] = {}\n",
+        "        self.is_root = True\n"
+        "        class Through(nn.Module):\n"
+        "            def __init__(self, inner):\n"
+        "                super().__init__()\n"
+        "                self.__dict__['inner'] = inner  # not a child: the parameters keep their names\n"
+        "            def forward(self, x):\n"
+        "                return self.inner(x)\n"
+        "        for block in [m for m in self.module.modules() if isinstance(m, FSDPModule)][1:]:\n"
+        "            block.attention_norm = Through(block.attention_norm)\n"
+        "        fqns: dict[FSDPGroup, list[str]] = {}\n")],
     # Tells the runs apart by the step it is in: every group prefetched at once through step 3 (the last a
     # profiled run of tasks 2 and 3 has), nothing from step 4 (which only the memory job has). The memory check
     # judges the peak on the profiled steps only.

@@ -153,6 +153,24 @@ def test_overlap_check_fails_two_groups_ahead_with_one_in_flight(mutant, pool2, 
     checks.assert_overlap(profiles, "backward")
 
 
+@pytest.mark.parametrize("name, leaf", [
+    ("swap-block-norms",
+     r"layers\.1\.attention_norm \(called from outside the model\), under FSDP2 layers\.0\.attention_norm"),
+    ("norm-called-through-a-module-of-its-own",
+     r"layers\.0\.attention_norm \(called from outside the model\), under FSDP2 layers\.0\.attention_norm"),
+])
+def test_overlap_check_fails_when_the_model_is_rearranged(mutant, pool2, tmp_path, name, leaf):
+    """Which group computes when is told by the model's leaf that runs, and only where its parent's forward called
+    it: two blocks' norms swapped (each position still given its own group's weight: the same numbers), or each
+    norm called through a module of the FSDP's put in its place (the same leaves in the same order), run another
+    order of the model's leaves than FSDP2's."""
+    profiles = checks.profile_both(pool2, mutant(name), tmp_path / "profiles")
+    for which in ("forward", "backward"):
+        with pytest.raises(AssertionError, match=r"rank 0: the model's leaves ran in another order than under FSDP2 "
+                                                 rf"\(forward \d+ of the profiled steps': {leaf};"):
+            checks.assert_overlap(profiles, which)
+
+
 @pytest.mark.parametrize("name, message", [
     ("own-graph-before-own-wait", r"all-gathers in backward: 0 of the \d+ that can overlap compute did"),
     ("call-leaf-node-before-own-wait", r"ran \d+ forwards and \d+ backward nodes in the profiled steps, under FSDP2"),

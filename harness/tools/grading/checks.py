@@ -346,6 +346,15 @@ def assert_overlap(p: Profiles, which: str) -> str:
     for after, compute of another group."""
     __tracebackhide__ = True
     assert_same_collectives(p)
+    for rank, (ref, got) in enumerate(zip(p.fsdp2.model_order, p.effdl.model_order)):
+        if got != ref:
+            n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            raise AssertionError(
+                f"{p.what}: rank {rank}: the model's leaves ran in another order than under FSDP2 (forward "
+                f"{n + 1} of the profiled steps': {got[n] if n < len(got) else 'none'}, under FSDP2 "
+                f"{ref[n] if n < len(ref) else 'none'}; {len(got)} forwards, under FSDP2 {len(ref)}): an FSDP never "
+                "calls the model's modules itself, nor moves or swaps them (the grader tells which group computes "
+                "by which of the model's leaves runs, see docs/measuring.md)")
     if p.effdl.model_calls != p.fsdp2.model_calls:
         (forwards, nodes), (ref_forwards, ref_nodes) = p.effdl.model_calls, p.fsdp2.model_calls
         raise AssertionError(

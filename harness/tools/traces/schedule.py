@@ -16,6 +16,8 @@ import bisect
 import contextlib
 import re
 import secrets
+import sys
+import types
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,9 +249,11 @@ def marked_waits():
 #   `record_function` range is a `user_annotation`, whatever its name), of the ops a leaf's marked forward ran:
 #   a node carries the sequence number of the forward op that made it (the profiler's "Sequence number"), so
 #   a node of a graph the program built for itself, or of an op outside the model's leaves, is not compute.
-# Each range also names the leaf's FSDP group (memory_model.group_of), and so does each node, through its forward
-# op: which group computes when, whatever the program names its own ranges (`most_ahead`). How many of each ran
-# is compared with FSDP2's (`model_calls`): a program that calls a model's node itself runs one more.
+# Each range also names the leaf (its name in the model, hence its FSDP group: memory_model.group_of), and so does
+# each node, through its forward op: which group computes when, whatever the program names its own ranges
+# (`most_ahead`). The leaves that ran, in order, are compared with FSDP2's (`model_order`): a leaf is named by the
+# instance called, so a program that moves the model's leaves between blocks, or calls one itself, runs another
+# order; and how many nodes ran (`model_calls`): a program that calls a model's node itself runs one more.
 MODEL_BACKWARD = re.compile(r"^\w+Backward\d+$")
 NOT_COMPUTE = " (not compute)"
 """after the mark: a forward of the model's own leaf whose class or tables were changed, counted, not compute."""
@@ -257,13 +261,14 @@ SEQUENCE = "Sequence number"
 """the profiler's link between a forward op and the backward node it made (both carry it)."""
 
 
-def marked_name(mark: str, group: str, compute: bool = True) -> str:
-    """The name of one of `marked_compute`'s ranges: the mark, whether it is compute, and the leaf's group."""
-    return f"{mark}{'' if compute else NOT_COMPUTE} @{group}"
+def marked_name(mark: str, leaf: str, compute: bool = True) -> str:
+    """The name of one of `marked_compute`'s ranges: the mark, whether it is compute, and the leaf's name in the
+    model (as the model was wrapped)."""
+    return f"{mark}{'' if compute else NOT_COMPUTE} @{leaf}"
 
 
-def marked_group(name: str, mark: str) -> tuple[str, bool] | None:
-    """(group, whether it is compute) of a range `marked_name` named; None for any other name."""
+def marked_leaf(name: str, mark: str) -> tuple[str, bool] | None:
+    """(leaf, whether it is compute) of a range `marked_name` named; None for any other name."""
     if not name.startswith(mark):
         return None
     rest = name[len(mark):]
@@ -278,19 +283,31 @@ def drawn_mark() -> str:
     return f"## model compute {secrets.token_hex(16)} ##"
 
 
+WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
+FROM_OUTSIDE = " (called from outside the model)"
+"""after a leaf's name: a call of the model's leaf that its own parent's forward did not make (`marked_compute`)."""
+
+
 @contextlib.contextmanager
 def marked_compute(model: torch.nn.Module, mark: str):
     """Every forward of one of `model`'s leaf modules runs inside a range named `mark` (see
     [Note: what counts as compute]): the forward of each leaf class that torch or torchtitan defines,
-    for the model's own instances of exactly that class (a subclass may add code around it). How many
-    ran is compared with FSDP2's (`model_calls`): an FSDP never calls the model's modules itself. Put
-    back however it ends."""
+    for the model's own instances of exactly that class (a subclass may add code around it). Which leaves
+    ran, in order, is compared with FSDP2's (`model_order`): an FSDP never calls the model's modules itself,
+    nor moves them; a call its parent's forward (the model's code, in torch or torchtitan) did not make through
+    `Module.__call__` is named so (FROM_OUTSIDE), and is no compute. Put back however it ends."""
     import torchtitan
 
     homes = tuple(str(Path(m.__file__).parent) + "/" for m in (torch, torchtitan))
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    # the model's own leaves, each with its group: a Linear the FSDP makes for itself is not the model
-    mine = {id(m): group_of(name) for name, m in model.named_modules() if next(m.children(), None) is None}
+    # the model's own leaves, each with its name and its parent as wrapped: a Linear the FSDP makes for itself is
+    # not the model
+    mine = {id(m): name for name, m in model.named_modules() if next(m.children(), None) is None}
+    parents = {id(m): model.get_submodule(name.rpartition(".")[0]) for name, m in model.named_modules()
+               if id(m) in mine}
+    call_impl = torch.nn.Module._call_impl.__code__
+    # Module.__call__'s frames: with hooks on the module, _call_impl runs its forward from a nested `inner`
+    hooked = next(c for c in call_impl.co_consts if isinstance(c, types.CodeType) and c.co_name == "inner")
     plain = {}
     for cls in {type(m) for m in leaves}:
         forward = cls.__dict__.get("forward")
@@ -306,7 +323,19 @@ def marked_compute(model: torch.nn.Module, mark: str):
             # runs nothing of the FSDP's.
             plain_module = type(self) is cls and all(
                 type(self.__dict__.get(table)) is dict for table in ("_parameters", "_buffers", "_modules"))
-            with torch.profiler.record_function(marked_name(mark, mine[id(self)], plain_module)):
+            # Called by the model: Module.__call__'s frames, and above them its parent's forward, in the model's
+            # code (a leaf moved to another block, or called by the FSDP, even from a hook whose argument it named
+            # `self`, is not; see [Note: what counts as compute]).
+            frame = sys._getframe(1)
+            if frame.f_code is hooked:
+                frame = frame.f_back
+            wrapped = frame.f_back if frame.f_code is call_impl else None
+            caller = wrapped.f_back if wrapped is not None and wrapped.f_code is WRAPPED_CALL else None
+            by_model = (caller is not None and caller.f_code.co_filename.startswith(homes)
+                        and caller.f_locals.get("self") is parents[id(self)])
+            del frame, wrapped, caller
+            name = mine[id(self)] if by_model else mine[id(self)] + FROM_OUTSIDE
+            with torch.profiler.record_function(marked_name(mark, name, plain_module and by_model)):
                 return forward(self, *args, **kwargs)
         return run
 
@@ -319,9 +348,15 @@ def marked_compute(model: torch.nn.Module, mark: str):
             cls.forward = forward
 
 
+def model_order(events: list[dict], mark: str) -> list[str]:
+    """The model's leaves whose forwards ran in these events (`marked_compute`), compute or not, in order."""
+    return [leaf[0] for e in sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+            if (leaf := marked_leaf(e["name"], mark))]
+
+
 def model_calls(events: list[dict], mark: str) -> tuple[int, int]:
     """(forwards of the model's leaf modules, compute or not; runs of their ops' backward nodes) in these events."""
-    forwards = sum(1 for e in events if e.get("cat") == "user_annotation" and marked_group(e["name"], mark))
+    forwards = sum(1 for e in events if e.get("cat") == "user_annotation" and marked_leaf(e["name"], mark))
     nodes = linked_nodes(events, mark)
     return forwards, sum(1 for e in events if e.get("cat") == "cpu_op" and e.get("args", {}).get(SEQUENCE) in nodes
                          and MODEL_BACKWARD.match(e["name"]))
@@ -333,8 +368,8 @@ def linked_nodes(events: list[dict], mark: str) -> dict[int, str]:
     found in two groups (two threads' counters) links neither."""
     leaves: dict[tuple, list] = defaultdict(list)  # thread -> the compute ranges of leaf forwards on it
     for e in events:
-        if e.get("cat") == "user_annotation" and (marked := marked_group(e["name"], mark)) and marked[1]:
-            leaves[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"], marked[0]))
+        if e.get("cat") == "user_annotation" and (marked := marked_leaf(e["name"], mark)) and marked[1]:
+            leaves[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"], group_of(marked[0])))
     at = {thread: Ranges(spans) for thread, spans in leaves.items()}
     out: dict[int, str] = {}
     for e in events:
@@ -354,8 +389,8 @@ def compute_ops(on: list[dict], fsdp: list, c10d: list, mark: str | None,
     if mark is None:
         return sorted((e["ts"], None) for e in ops)
     nodes = linked_nodes(on, mark) if nodes is None else nodes
-    leaves = Ranges((e["ts"], e["ts"] + e["dur"], marked[0]) for e in on if e.get("cat") == "user_annotation"
-                    and (marked := marked_group(e["name"], mark)) and marked[1])
+    leaves = Ranges((e["ts"], e["ts"] + e["dur"], group_of(marked[0])) for e in on if e.get("cat") == "user_annotation"
+                    and (marked := marked_leaf(e["name"], mark)) and marked[1])
     backward = Ranges((e["ts"], e["ts"] + e["dur"], nodes[n]) for e in on if e.get("cat") == "cpu_op"
                       and MODEL_BACKWARD.match(e["name"]) and (n := e.get("args", {}).get(SEQUENCE)) in nodes)
     # a leaf's forward recomputed inside a node's (activation checkpointing) is looked up first
