@@ -356,6 +356,19 @@ def overlapped(trace: dict, kind: str, phase: str) -> list[str]:
             if s.overlapped]
 
 
+def test_only_another_groups_compute_overlaps():
+    """With the model's compute marked, a collective is overlapped only by compute of a group other than its own: its
+    own group's (a view node of its backward, a leaf whose weight came another way) runs without its data."""
+    mark = "## model compute 1 ##"
+    for leaf, groups in (("layers.0.attention.wq", ["layers.0", "layers.1"]), ("layers.1.attention.wq", ["layers.0"])):
+        trace = schedule_trace()
+        trace["traceEvents"] += [x(schedule.marked_name(mark, "tok_embeddings"), 49, 7, cat="user_annotation"),
+                                 x(schedule.marked_name(mark, leaf), 89, 7, cat="user_annotation")]
+        got = [s.group for s in schedule.must_overlap([s for s in schedule.schedule(trace, mark)
+                                                       if (s.kind, s.phase) == ("all_gather", "forward")]) if s.overlapped]
+        assert got == groups, (leaf, got)
+
+
 def test_most_in_flight():
     """Per pass, the most issued and not yet released at once (never waited: still in flight), and which."""
     def ag(group, issued, released, pass_start=0.0, rank=0):

@@ -340,6 +340,14 @@ def assert_same_collectives(p: Profiles, promise: str = "") -> None:
                 "it gathered), a missing one a prefetch that was never waited for")
 
 
+def issue_order(stats: RunStats, kind: str, phase: str) -> list[list[str]]:
+    """Per rank, the groups whose collectives of this kind and phase were issued, in order (by their ranges)."""
+    ranks: dict[int, list] = {}
+    for s in sorted((s for s in stats.scheduled if (s.kind, s.phase) == (kind, phase)), key=lambda s: s.issued):
+        ranks.setdefault(s.rank or 0, []).append(s.group)
+    return [ranks[r] for r in sorted(ranks)]
+
+
 def assert_overlap(p: Profiles, which: str) -> str:
     """Every collective of the phase that FSDP's schedule can overlap (all but the first all-gather
     and the last reduce-scatter of a pass, see schedule.must_overlap) is issued before, and waited
@@ -374,6 +382,14 @@ def assert_overlap(p: Profiles, which: str) -> str:
                 f"{p.what}: {name}: {issued - placed:g} of {issued:g} were issued outside a group's "
                 f"`FSDP::{'all_gather' if kind == 'all_gather' else 'post_backward_reduce'} (name)` range, so "
                 "where they are waited for cannot be told: issue them in FSDPGroup.unshard / reduce_scatter.")
+        for rank, (ref, got) in enumerate(zip(issue_order(p.fsdp2, kind, phase), issue_order(p.effdl, kind, phase))):
+            if got != ref:
+                n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+                raise AssertionError(
+                    f"{p.what}: {name}: rank {rank}: issued for the groups in another order than FSDP2's (number "
+                    f"{n + 1} of the profiled steps': {got[n] if n < len(got) else 'none'}'s, under FSDP2 "
+                    f"{ref[n] if n < len(ref) else 'none'}'s): an FSDP issues one per group, as FSDP2 does, each "
+                    "in its group's `FSDP::all_gather (name)` / `FSDP::post_backward_reduce (name)` range")
         if missed:
             s = missed[0]
             where = (f"rank {s.rank}, step {s.step}: {s.group}'s was waited for before any other group computed"

@@ -416,6 +416,13 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
         compute = [ts for ts, _ in computed]
         began: dict[tuple, list[tuple[float, str]]] = {}  # pass -> (first compute, group) of each group in it
 
+        def others_between(start: float, stop: float, group: str) -> bool:
+            """Whether compute of a group other than `group` ran between the two times (any compute, unmarked): a
+            collective's own group's compute (a view node of its backward, a leaf whose weight came earlier) runs
+            without its data, and hides nothing of what FSDP overlaps."""
+            return any(g != group for _, g in computed[bisect.bisect_left(compute, start):
+                                                      bisect.bisect_left(compute, stop)])
+
         def started(pass_range: tuple[float, float], issued: float) -> tuple[str, ...] | None:
             """Scheduled.started: the groups whose compute began in the pass by the first compute after `issued`."""
             if pass_range not in began:
@@ -498,11 +505,10 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                 released = None if waited is None or own is not None and release is None else \
                     waited if own is None else max(waited, release)
                 if own is not None and what != "at once" and (waited is None or own < waited) \
-                        and bisect.bisect_left(compute, end) == bisect.bisect_left(compute, own):
+                        and not others_between(end, own, group):
                     waited, what = own, "at once"
                 blocked = what != "reduce_scatter_done"
-                ran = (waited is not None and what != "at once"
-                       and bisect.bisect_left(compute, end) < bisect.bisect_left(compute, waited))
+                ran = waited is not None and what != "at once" and others_between(end, waited, group)
                 phase_range = next(((s, e) for s, e, _ in t.phases.ranges if s <= op["ts"] <= e), None)
                 out.append(Scheduled(t.rank, t.steps.at(op["ts"]), t.phases.at(op["ts"], OTHER),
                                      phase_range[0] if phase_range else -1.0, kind, group, op["ts"], waited,
