@@ -351,6 +351,17 @@ def test_a_collective_never_asked_for_was_waited_for_at_once():
         assert overlapped(tagged(schedule_trace(), asked=False), kind, phase) == []
 
 
+def test_a_reduce_scatter_said_done_but_waited_for_while_running_is_not_overlapped():
+    """An empty `reduce_scatter_done` range (the FSDP's word that the work had finished) before a blocking wait of its
+    own Work, with no compute between, is a wait at once; found done there, it stays overlapped."""
+    a = lambda name, ts: x(name, ts, 0, cat="user_annotation")
+    for tag, groups in ((schedule.WAITED, []), (schedule.FOUND_DONE, ["layers.1"])):
+        trace = schedule_trace()  # layers.1's: issued at 406 in its post-backward (400-420), compute at 430
+        trace["traceEvents"] += [a("FSDP::reduce_scatter_done (layers.1)", 422), a(f"{schedule.ISSUED}3", 408.5),
+                                 a(f"{tag}3", 423)]
+        assert overlapped(trace, "reduce_scatter", "backward") == groups, tag
+
+
 def overlapped(trace: dict, kind: str, phase: str) -> list[str]:
     return [s.group for s in schedule.must_overlap([s for s in schedule.schedule(trace) if (s.kind, s.phase) == (kind, phase)])
             if s.overlapped]

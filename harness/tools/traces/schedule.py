@@ -507,6 +507,10 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                 if own is not None and what != "at once" and (waited is None or own < waited) \
                         and not others_between(end, own, group):
                     waited, what = own, "at once"
+                if what == "reduce_scatter_done" and own is not None:
+                    # said done, yet its own Work was waited for while it ran (an empty `reduce_scatter_done` range
+                    # before a blocking wait): it was waited for there, as a `reduce_scatter_wait`
+                    waited, what = own, "at once" if not others_between(end, own, group) else "reduce_scatter_wait"
                 blocked = what != "reduce_scatter_done"
                 ran = waited is not None and what != "at once" and others_between(end, waited, group)
                 phase_range = next(((s, e) for s, e, _ in t.phases.ranges if s <= op["ts"] <= e), None)
