@@ -340,6 +340,16 @@ def assert_same_collectives(p: Profiles, promise: str = "") -> None:
                 "it gathered), a missing one a prefetch that was never waited for")
 
 
+def first_difference(ref: list[list[str]], got: list[list[str]]) -> tuple | None:
+    """Per rank, FSDP2's sequence and effdl's: where the first rank whose two differ first differs, as (rank, index,
+    effdl's item, FSDP2's item ('none' past an end), (FSDP2's length, effdl's)); None if every rank's are equal."""
+    for rank, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return rank, n, b[n] if n < len(b) else "none", a[n] if n < len(a) else "none", (len(a), len(b))
+    return None
+
+
 def issue_order(stats: RunStats, kind: str, phase: str) -> list[list[str]]:
     """Per rank, the groups whose collectives of this kind and phase were issued, in order (by their ranges)."""
     ranks: dict[int, list] = {}
@@ -354,15 +364,13 @@ def assert_overlap(p: Profiles, which: str) -> str:
     for after, compute of another group."""
     __tracebackhide__ = True
     assert_same_collectives(p)
-    for rank, (ref, got) in enumerate(zip(p.fsdp2.model_order, p.effdl.model_order)):
-        if got != ref:
-            n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-            raise AssertionError(
-                f"{p.what}: rank {rank}: the model's leaves ran in another order than under FSDP2 (forward "
-                f"{n + 1} of the profiled steps': {got[n] if n < len(got) else 'none'}, under FSDP2 "
-                f"{ref[n] if n < len(ref) else 'none'}; {len(got)} forwards, under FSDP2 {len(ref)}): an FSDP never "
-                "calls the model's modules itself, nor moves or swaps them (the grader tells which group computes "
-                "by which of the model's leaves runs, see docs/measuring.md)")
+    if differs := first_difference(p.fsdp2.model_order, p.effdl.model_order):
+        rank, n, got, ref, lengths = differs
+        raise AssertionError(
+            f"{p.what}: rank {rank}: the model's leaves ran in another order than under FSDP2 (forward {n + 1} of the "
+            f"profiled steps': {got}, under FSDP2 {ref}; {lengths[1]} forwards, under FSDP2 {lengths[0]}): an FSDP "
+            "never calls the model's modules itself, nor moves or swaps them (the grader tells which group computes "
+            "by which of the model's leaves runs, see docs/measuring.md)")
     if p.effdl.model_calls != p.fsdp2.model_calls:
         (forwards, nodes), (ref_forwards, ref_nodes) = p.effdl.model_calls, p.fsdp2.model_calls
         raise AssertionError(
@@ -382,14 +390,13 @@ def assert_overlap(p: Profiles, which: str) -> str:
                 f"{p.what}: {name}: {issued - placed:g} of {issued:g} were issued outside a group's "
                 f"`FSDP::{'all_gather' if kind == 'all_gather' else 'post_backward_reduce'} (name)` range, so "
                 "where they are waited for cannot be told: issue them in FSDPGroup.unshard / reduce_scatter.")
-        for rank, (ref, got) in enumerate(zip(issue_order(p.fsdp2, kind, phase), issue_order(p.effdl, kind, phase))):
-            if got != ref:
-                n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-                raise AssertionError(
-                    f"{p.what}: {name}: rank {rank}: issued for the groups in another order than FSDP2's (number "
-                    f"{n + 1} of the profiled steps': {got[n] if n < len(got) else 'none'}'s, under FSDP2 "
-                    f"{ref[n] if n < len(ref) else 'none'}'s): an FSDP issues one per group, as FSDP2 does, each "
-                    "in its group's `FSDP::all_gather (name)` / `FSDP::post_backward_reduce (name)` range")
+        if differs := first_difference(issue_order(p.fsdp2, kind, phase), issue_order(p.effdl, kind, phase)):
+            rank, n, got, ref, _ = differs
+            raise AssertionError(
+                f"{p.what}: {name}: rank {rank}: issued for the groups in another order than FSDP2's (number "
+                f"{n + 1} of the profiled steps': {got}'s, under FSDP2 {ref}'s): an FSDP issues one per group, "
+                "as FSDP2 does, each in its group's `FSDP::all_gather (name)` / `FSDP::post_backward_reduce (name)` "
+                "range")
         if missed:
             s = missed[0]
             where = (f"rank {s.rank}, step {s.step}: {s.group}'s was waited for before any other group computed"
