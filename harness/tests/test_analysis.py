@@ -689,6 +689,86 @@ def test_marked_compute_counts_only_the_models(tmp_path):
     assert "aten::add_" in unmarked  # what a student's own trace counts
 
 
+def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
+    """A graded profiled run's collective log follows each all-gather's data (jobs.Sources, see jobs.py's [Note: where
+    the model's parameters came from]): its number goes with its bytes through a copy-out (copy_, an out= op, a
+    view's), through arithmetic, and adds up where data of two meet; a read of a leaf's parameters names the numbers
+    its bytes hold, and bytes written from nothing gathered (zero_, a tensor made from a list) hold none."""
+    import torch
+    import torch.nn as nn
+
+    from harness.tools.grading.jobs import CommLog
+
+    mark = "## model compute 77 ##"
+    log = CommLog(mark)
+    leaf = nn.Linear(4, 4, bias=False)
+    x = torch.randn(2, 4)
+    with torch.profiler.profile() as prof, log:
+        first, second = torch.arange(32.0), torch.arange(32.0) * 2
+        log.sources.gathered([first])  # number 1 (gloo writes it where no op shows)
+        log.sources.gathered([second])  # number 2
+        weight = torch.empty(4, 4)
+        leaf._parameters["weight"] = nn.Parameter(weight)
+        log.sources.called(leaf)
+        weight.copy_(first[:16].view(4, 4))
+        leaf(x)  # 1
+        a, b = torch.empty(8), torch.empty(8)
+        torch.split_with_sizes_copy(second.view(2, 16)[:, :8], [4, 4], dim=1, out=[a.view(2, 4), b.view(2, 4)])
+        weight.view(-1)[:8].copy_(a)
+        leaf(x)  # 1 (the second half) and 2
+        weight.zero_()
+        leaf(x)  # none
+        weight.copy_(torch.tensor(first[:16].tolist()).view(4, 4))
+        leaf(x)  # none: a list holds no gathered bytes
+        weight.copy_(first[:16].view(4, 4) * 1)
+        weight.add_(second[16:].view(4, 4))
+        leaf(x)  # 1 and 2
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    names = [e["name"] for e in sorted(json.loads((tmp_path / "t.json").read_text())["traceEvents"],
+                                       key=lambda e: e.get("ts", 0)) if e.get("ph") == "X"]
+    tag = lambda *numbers: schedule.read_tag(mark, numbers)  # noqa: E731
+    # add_ reads the parameter too (outside the model's compute: the analysis keeps only what compute read)
+    assert [n for n in names if n.startswith(mark + schedule.READ_TAG)] == [
+        tag(1), tag(1, 2), tag(), tag(), tag(1), tag(1, 2)]
+    assert [n for n in names if n.startswith(mark + schedule.GATHER_TAG)] == [
+        schedule.gather_tag(mark, 1), schedule.gather_tag(mark, 2)]
+
+
+def test_a_parameter_holds_its_own_groups_gathered_data():
+    """The graded check of the reads above: each read of a leaf's parameters in the phase held data of its own group's
+    all-gathers only, and from the passes FSDP2's did (a block kept from forward is not backward's all-gather)."""
+    from types import SimpleNamespace
+
+    from harness.tools.grading import checks
+
+    this = schedule.THIS_PASS
+    fsdp2 = [(1, "forward", "layers.0.attention.wq", (("layers.0", "forward", this),)),
+             (1, "backward", "layers.0.attention.wq", (("layers.0", "backward", this),))]
+
+    def judged(*reads, phase="forward"):
+        checks.assert_parameters_gathered(SimpleNamespace(what="w", fsdp2=SimpleNamespace(reads=[fsdp2]),
+                                                          effdl=SimpleNamespace(reads=[list(reads)])), phase)
+
+    judged(*fsdp2)
+    judged(*fsdp2, phase="backward")
+    wq = "layers.0.attention.wq"
+    for sources, message in (
+            ((), r"rank 0, step 1, forward: layers\.0\.attention\.wq's parameters, as the model read them, held no "
+                 r"all-gather's data"),
+            ((("layers.1", "forward", this),), r"held data of the all-gather issued as layers\.1's, not layers\.0's"),
+            (((None, "", ""),), r"issued as no group's \(outside the groups' ranges, or before the profiled steps\)"),
+    ):
+        with pytest.raises(AssertionError, match=message):
+            judged((1, "forward", wq, sources))
+    with pytest.raises(AssertionError, match=r"rank 0, backward: layers\.0\.attention\.wq's parameters, as the model read them, held "
+                                             r"data of the all-gathers of forward's \(an earlier pass of this step\); "
+                                             r"under FSDP2 of backward's \(this pass\)"):
+        judged((1, "backward", wq, (("layers.0", "forward", schedule.EARLIER_PASS),)), phase="backward")
+    with pytest.raises(AssertionError, match=r"layers\.0\.attention\.wq's parameters, as the model read them, held data of the "
+                                             r"all-gathers of none; under FSDP2 of forward's \(this pass\)"):
+        judged(phase="forward")
+
+
 def test_every_collective_op_of_a_profiled_run_is_compared(tmp_path):
     """Beside the all-gathers and reduce-scatters the schedule reads, every collective op the dispatcher ran in
     the profiled steps is counted (a functional collective, a broadcast; not a wait), and the graded check

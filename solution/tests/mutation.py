@@ -206,6 +206,31 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "        for block in [m for m in self.module.modules() if isinstance(m, FSDPModule)][1:]:\n"
         "            block.attention_norm = Through(block.attention_norm)\n"
         "        fqns: dict[FSDPGroup, list[str]] = {}\n")],
+    # The first two blocks' all-gathers each issued under the other's name: every count, byte and wait as
+    # FSDP2's, and the order of the names differs; which group a collective carries is told by its data, not
+    # its name (jobs.py's [Note: where the model's parameters came from]).
+    "all-gathers-under-swapped-names": [(
+        '        return f"FSDP::{phase} ({self.fqn})" if self.fqn else f"FSDP::{phase}"\n',
+        '        fqn = {"layers.0": "layers.1", "layers.1": "layers.0"}.get(self.fqn, self.fqn) \\\n'
+        '            if phase == ALL_GATHER_RANGE else self.fqn\n'
+        '        return f"FSDP::{phase} ({fqn})" if fqn else f"FSDP::{phase}"\n')],
+    # Honest names and data, and the second block's all-gather issued before the first's at the root's
+    # pre-forward: another order than FSDP2's.
+    "prefetch-second-block-first": [(
+        "                order[i + 1].prefetch()\n",
+        "                if i == 0 and len(order) > 2:\n"
+        "                    order[2].prefetch()\n"
+        "                order[i + 1].prefetch()\n")],
+    # Backward copies each block's parameters out of its forward all-gather's buffer, kept (the same values),
+    # not out of the all-gather it waited for: a group held gathered from forward (the stash behind two groups
+    # ahead in backward with FSDP2's counts).
+    "backward-copies-out-of-forward": [(
+        "            columns = pending.wait().view(self.world, self.shard_numel)\n",
+        "            columns = pending.wait().view(self.world, self.shard_numel)\n"
+        "            if torch.is_grad_enabled():\n"
+        "                self.kept = columns\n"
+        "            elif getattr(self, \"kept\", None) is not None:\n"
+        "                columns, self.kept = self.kept, None\n")],
     # Tells the runs apart by the step it is in: every group prefetched at once through step 3 (the last a
     # profiled run of tasks 2 and 3 has), nothing from step 4 (which only the memory job has). The memory check
     # judges the peak on the profiled steps only.

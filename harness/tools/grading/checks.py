@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 import train
+from harness.memory_model import group_of
 from harness.tools.grading import fsdp2_cache, handwritten
 from harness.tools.traces.analysis import RunStats, analyze_run
 from harness.tools.traces.schedule import drawn_mark, most_ahead, most_in_flight
@@ -358,6 +359,48 @@ def issue_order(stats: RunStats, kind: str, phase: str) -> list[list[str]]:
     return [ranks[r] for r in sorted(ranks)]
 
 
+def gathered_from(reads: list[tuple], phase: str) -> dict[str, set[tuple[str, str]]]:
+    """Of one rank's parameter reads in `phase`: leaf -> the (phase, pass) of the all-gathers its data came from (a leaf
+    whose reads no log saw, its parameters swapped for memory of the program's own after its forward, has none)."""
+    out: dict[str, set[tuple[str, str]]] = {}
+    for _, ph, leaf, sources in reads:
+        if ph == phase:
+            out.setdefault(leaf, set()).update((src_phase, relation) for _, src_phase, relation in sources)
+    return out
+
+
+def assert_parameters_gathered(p: Profiles, phase: str) -> None:
+    """In `phase`, every parameter the model's compute read held data of its own group's all-gathers only (whatever
+    the program named them: see jobs.py's [Note: where the model's parameters came from]), from the passes FSDP2's
+    came from (the last block's kept aside from forward is not this pass's all-gather)."""
+    __tracebackhide__ = True
+    for rank, (ref, got) in enumerate(zip(p.fsdp2.reads, p.effdl.reads)):
+        for step, ph, leaf, sources in got:
+            if ph != phase:
+                continue
+            where = f"{p.what}: rank {rank}, step {step}, {phase}: {leaf}'s parameters, as the model read them,"
+            if not sources:
+                raise AssertionError(
+                    f"{where} held no all-gather's data (made or changed another way after it): a group's parameters "
+                    "are what its own all-gather brought, copied out as they are")
+            if others := [g for g, _, _ in sources if g != group_of(leaf)]:
+                raise AssertionError(
+                    f"{where} held data of the all-gather issued as " +
+                    (f"{others[0]}'s" if others[0] is not None else
+                     "no group's (outside the groups' ranges, or before the profiled steps)") +
+                    f", not {group_of(leaf)}'s: each group's all-gather carries that group's parameters and no other's, "
+                    "issued in its `FSDP::all_gather (name)` range")
+        want, have = gathered_from(ref, phase), gathered_from(got, phase)
+        for leaf in sorted(set(want) | set(have)):
+            if want.get(leaf) != have.get(leaf):
+                show = lambda found: " and ".join(f"{ph}'s ({rel})" for ph, rel in sorted(found)) or "none"  # noqa: E731
+                raise AssertionError(
+                    f"{p.what}: rank {rank}, {phase}: {leaf}'s parameters, as the model read them, held data of the "
+                    f"all-gathers of {show(have.get(leaf, set()))}; under FSDP2 of {show(want.get(leaf, set()))}: "
+                    "a group computes with what its own all-gather of the pass brought (kept from an earlier pass, "
+                    "it is one more group held gathered)")
+
+
 def assert_overlap(p: Profiles, which: str) -> str:
     """Every collective of the phase that FSDP's schedule can overlap (all but the first all-gather
     and the last reduce-scatter of a pass, see schedule.must_overlap) is issued before, and waited
@@ -377,6 +420,7 @@ def assert_overlap(p: Profiles, which: str) -> str:
             f"{p.what}: the model's layers ran {forwards} forwards and {nodes} backward nodes in the profiled steps, "
             f"under FSDP2 {ref_forwards} and {ref_nodes}: an FSDP never calls the model's modules, or their "
             "autograd nodes (`grad_fn`), itself (only compute the model does counts as overlap, see docs/measuring.md)")
+    assert_parameters_gathered(p, which)
     shown = []
     for kind, phase, fix in OVERLAP[which]:
         if not p.effdl.comm.kind(kind).by_phase[phase].count:

@@ -9,6 +9,7 @@ they should be freed (Probes), every all-gather and reduce-scatter with its dtyp
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import hashlib
@@ -25,7 +26,8 @@ from harness import assets, memory, memory_model, model_setup
 from harness.distributed import agree, current_device
 from harness.tools.grading import handwritten
 from harness.tools.grading.policy import config
-from harness.tools.traces.schedule import WORK_WAITS, current, drawn_mark, marked_compute, marked_waits, routed
+from harness.tools.traces.schedule import (WORK_WAITS, current, drawn_mark, gather_tag, marked_compute, marked_waits,
+                                           read_tag, routed)
 
 
 # --------------------------------------------------------------------------- parameter shards
@@ -128,19 +130,157 @@ _SHAPE_ONLY = {getattr(torch.ops.aten, n) for n in (
 
 def _extent(t: torch.Tensor) -> tuple[int, int] | None:
     """The bytes a tensor spans in memory, [start, end); None when it spans none."""
-    if t.numel() == 0 or t.device.type == "meta" or t.data_ptr() == 0:
+    if t.numel() == 0 or t.is_meta or (start := t.data_ptr()) == 0:
         return None
+    if t.is_contiguous():
+        return start, start + t.numel() * t.element_size()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    return start, start + (last + 1) * t.element_size()
+
+
+# [Note: where the model's parameters came from]
+# Which group an all-gather is for, the overlap checks read from the range the program issued it in: its own
+# name. A program that named its collectives in FSDP2's order while each carried another group's parameters (the
+# next block's under this block's name, or the last block's kept aside from forward and one group's carried in
+# each later collective) held two groups gathered ahead with every count FSDP2's. So, in a graded profiled run,
+# the data is followed: each all-gather is numbered where it is issued (a range `gather_tag` names, inside the
+# c10d op), and every op's written bytes carry the numbers of the all-gathers whose data the op read (a copy-out,
+# a cast, a view's reshaping copy, a sum with them; an op that reads none writes none: a fresh tensor, `zero_`,
+# a copy from elsewhere). Where an op reads the parameters of one of the model's leaves (as the model last called
+# it: `marked_compute` tells), a range (`read_tag`) says which all-gathers' data its bytes hold; the analysis
+# (schedule.parameter_reads) takes the leaf from the compute the read is in (the leaf's marked forward, or a node
+# of its ops), ties each number to the collective it was issued as, and the checks require each leaf's parameters
+# to hold only data of its own group's collectives, from the passes FSDP2's come from, in every pass FSDP2's are
+# read in (checks.assert_parameters_gathered). Bytes are followed by address: a view shares its base's,
+# and a storage given back and reused is written again before it is read (by an op the log sees, or by an
+# all-gather, which numbers it afresh).
+
+
+class Sources:
+    """The all-gathers whose data each byte range of memory holds, and the model's leaves' parameters (see [Note:
+    where the model's parameters came from]): one rank's, under a drawn mark."""
+
+    def __init__(self, mark: str):
+        self.mark = mark
+        self.gathers = 0
+        self.starts: list[int] = []  # sorted, ranges not overlapping
+        self.spans: list[tuple[int, int, frozenset]] = []
+        self.params: dict[int, list[weakref.ref]] = {}  # storage -> the leaves' parameters on it
+        self._layouts: dict = {}
+
+    def _overlapping(self, a: int, b: int) -> tuple[int, int]:
+        i = bisect.bisect_right(self.starts, a) - 1
+        if i < 0 or self.spans[i][1] <= a:
+            i += 1
+        j = bisect.bisect_left(self.starts, b, lo=i)
+        return i, j
+
+    def held(self, t: torch.Tensor) -> frozenset:
+        """The numbers of the all-gathers whose data `t`'s bytes hold."""
+        if not self.spans or not (extent := _extent(t)):
+            return _NONE
+        i, j = self._overlapping(*extent)
+        return _NONE.union(*(tags for _, _, tags in self.spans[i:j])) if i < j else _NONE
+
+    def write(self, t: torch.Tensor, tags: frozenset) -> None:
+        """`t`'s bytes now hold `tags`'s data (none: what was there is gone)."""
+        if not (tags or self.spans) or not (extent := _extent(t)):
+            return
+        a, b = extent
+        i, j = self._overlapping(a, b)
+        kept = []
+        if i < j and self.spans[i][0] < a:
+            kept.append((self.spans[i][0], a, self.spans[i][2]))
+        if tags:
+            kept.append((a, b, tags))
+        if i < j and self.spans[j - 1][1] > b:
+            kept.append((b, self.spans[j - 1][1], self.spans[j - 1][2]))
+        self.spans[i:j] = kept
+        self.starts[i:j] = [s for s, _, _ in kept]
+
+    def gathered(self, outputs: list[torch.Tensor]) -> None:
+        """An all-gather issued, writing `outputs`: numbered, in the trace and in memory."""
+        self.gathers += 1
+        with torch.profiler.record_function(gather_tag(self.mark, self.gathers)):
+            pass
+        for t in outputs:
+            self.write(t, frozenset((self.gathers,)))
+
+    def called(self, module: nn.Module) -> None:
+        """The model called one of its leaves: its parameters as it is called are the ones to follow."""
+        for p in module._parameters.values():
+            if type(p) in _PLAIN:
+                on = self.params.setdefault(p.untyped_storage()._cdata, [])
+                if not any(r() is p for r in on):
+                    on[:] = [r for r in on if r() is not None] + [weakref.ref(p)]
+
+    def _a_parameter(self, t: torch.Tensor) -> bool:
+        """Whether `t` is (in) the memory of a parameter of the model's leaves, as one was last called."""
+        storage = t.untyped_storage()._cdata
+        return any((p := r()) is not None and p.untyped_storage()._cdata == storage for r in self.params.get(storage, ()))
+
+    def _arguments(self, func) -> tuple:
+        """(position, name, keyword-only, how: READ, WRITTEN (read, then written) or OVERWRITTEN (all its bytes
+        written, none read)) of each of the op's arguments that can hold tensors; once per op."""
+        found = self._layouts.get(func)
+        if found is None:
+            found = []
+            for i, arg in enumerate(func._schema.arguments):
+                if "Tensor" not in str(arg.type):
+                    continue
+                writes = arg.alias_info is not None and arg.alias_info.is_write
+                how = OVERWRITTEN if writes and (arg.is_out or (i == 0 and func.overloadpacket in _OVERWRITE)) \
+                    else WRITTEN if writes else READ
+                found.append((i, arg.name, arg.kwarg_only, how))
+            self._layouts[func] = found = tuple(found)
+        return found
+
+    def ran(self, func, args, kwargs, run):
+        """Run an op (`run()`), the numbers its inputs' bytes hold written to its outputs', and its reads of the
+        model's leaves' parameters marked in the trace."""
+        written, read = [], []
+        for i, name, kwarg_only, how in self._arguments(func):
+            value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+            if value is None:
+                continue
+            tensors = (value,) if type(value) in _PLAIN else [t for t in _tensors(value) if type(t) in _PLAIN]
+            if how is not READ:
+                written.extend(tensors)
+            if how is not OVERWRITTEN:
+                read.extend(tensors)
+        tags = _NONE
+        if self.spans:
+            for t in read:
+                tags = tags | self.held(t)
+        if self.params:
+            for t in read:
+                if self._a_parameter(t):
+                    with torch.profiler.record_function(read_tag(self.mark, self.held(t))):
+                        pass
+        out = run()
+        for t in written:
+            self.write(t, tags)
+        for t in (out,) if type(out) in _PLAIN else _tensors(out):
+            if type(t) in _PLAIN:
+                self.write(t, tags)
+        return out
+
+
+_NONE: frozenset = frozenset()
+READ, WRITTEN, OVERWRITTEN = "read", "written", "overwritten"
+_OVERWRITE = {getattr(torch.ops.aten, n) for n in ("copy_", "fill_", "zero_") if hasattr(torch.ops.aten, n)}
+"""in-place ops whose first argument's bytes are all written and none read."""
 
 
 class CommLog(TorchDispatchMode):
     """Every collective a rank issues (all-gathers, reduce-scatters, all-reduces: HSDP's and the loop's,
     and any other, under its op's name): (step, phase, kind, dtype, bytes) and the ranks of its
-    process group, and whether FSDP2 issued it (its ops or its source on the stack)."""
+    process group, and whether FSDP2 issued it (its ops or its source on the stack). With a mark (a graded
+    profiled run), it also follows the all-gathers' data into the model's parameters (`Sources`)."""
 
-    def __init__(self):
+    def __init__(self, mark: str | None = None):
         super().__init__()
+        self.sources = Sources(mark) if mark is not None else None
         self.step = 0  # set by the job: 0 is wrapping, then the optimizer step under way
         self.events: list[tuple[int, str, str, str, int]] = []
         self.groups: list[tuple[int, ...] | None] = []  # each event's process group
@@ -210,6 +350,12 @@ class CommLog(TorchDispatchMode):
             if self.uses_fsdp2 is None:
                 self.uses_fsdp2 = handwritten.stack_problem()
             out = func(*args, **kwargs)
+            if self.sources is not None:  # all-gathers numbered; what another collective writes holds none's data
+                if kind == "all_gather":
+                    self.sources.gathered(list(_tensors(args[0] if index == 1 else out)))
+                else:
+                    for t in _tensors((args, kwargs, out)):
+                        self.sources.write(t, frozenset())
             works = [w for w in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(w, torch.ScriptObject)]
             if works and ns == "c10d" and name in _COLLECTIVES:  # their first argument is what they write
                 work = dist.Work.unbox(works[0])
@@ -227,6 +373,8 @@ class CommLog(TorchDispatchMode):
                         "(read before, it may not be there yet; polled until it is, it is a wait the overlap check "
                         "cannot see)")
                     break
+        if self.sources is not None and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
+            return self.sources.ran(func, args, kwargs, lambda: func(*args, **kwargs))
         return func(*args, **kwargs)
 
     def record(self) -> Comm:
@@ -349,13 +497,13 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
     for the overlap checks (schedule.marked_waits), and, given `mark`, the model's own compute
     (schedule.marked_compute). Without FSDP (--fsdp none) there are no shards
     and nothing to free: only the numbers count."""
-    log, digests, holder = CommLog(), [], {}
+    log, digests, holder = CommLog(mark if cfg.profile_steps else None), [], {}
     sharded = cfg.fsdp != "none"
 
     def inspect(model: nn.Module, step: int) -> None:
         if step == 0:
             if mark is not None:
-                marks.enter_context(marked_compute(model, mark))
+                marks.enter_context(marked_compute(model, mark, log.sources.called if log.sources else None))
             holder["uses_fsdp2"] = fsdp2_problem(model, cfg)
             holder["probes"] = Probes(model, cfg.reshard_after_forward) if sharded and observe else None
         elif holder["probes"] is not None:

@@ -30,7 +30,7 @@ from harness.cli import parse
 from harness.tools.traces.collectives import StepStats, analyze_trace, mean
 from harness.errors import BAD_INPUT, stop
 from harness.tools.traces.memory_analysis import MemoryStats, analyze_memory, tensor_peaks
-from harness.tools.traces.schedule import Scheduled, model_calls, model_order, must_overlap, schedule
+from harness.tools.traces.schedule import Scheduled, model_calls, model_order, must_overlap, parameter_reads, schedule
 from harness.tools.traces.trace import KINDS, OTHER, PHASES, Trace, rank_files
 
 
@@ -51,6 +51,9 @@ class RunStats:
     (schedule.model_calls), when marked."""
     model_order: list[list[str]] = field(default_factory=list)
     """per rank, when marked: the model's leaves whose forwards ran in its profiled steps, in order (schedule.model_order)."""
+    reads: list[list[tuple]] = field(default_factory=list)
+    """per rank, when marked: every read of a leaf's parameters by the model's compute, with the all-gathers whose data
+    they held (schedule.parameter_reads)."""
     c10d_calls: dict[str, int] = field(default_factory=dict)
     """collective op -> how many times the dispatcher ran it, over every rank's profiled steps (Trace.c10d_calls)."""
     peaks: list[list[int]] = field(default_factory=list)
@@ -91,7 +94,7 @@ def without_cycle_collection():
 
 
 def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) -> RunStats:
-    steps, memories, scheduled, calls, c10d, peaks, problem, order = [], [], [], (0, 0), {}, [], "", []
+    steps, memories, scheduled, calls, c10d, peaks, problem, order, reads = [], [], [], (0, 0), {}, [], "", [], []
     for path in rank_files(traces, ".json"):
         t = Trace(path)
         if t.data.get("profile_memory") and not t.cuda:  # torch's mark of a trace with allocation events
@@ -102,8 +105,10 @@ def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) 
         for name, n in t.c10d_calls.items():
             c10d[name] = c10d.get(name, 0) + n
         steps += analyze_trace(t)
-        scheduled += schedule(t, mark)
+        mine = schedule(t, mark)
+        scheduled += mine
         if mark is not None:
+            reads.append(parameter_reads(t, mark, mine))
             calls = tuple(a + b for a, b in zip(calls, model_calls(t.ranges, mark)))
             order.append(model_order(t.ranges, mark))
         if snapshots is None:
@@ -120,7 +125,7 @@ def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) 
             raise ValueError(f"{path} was profiled with --no-profile-memory, so no snapshot in {snapshots} is "
                              "from its run: profile again without that flag, or analyse the traces alone")
     return RunStats(mean(steps), MemoryStats.worst(memories) if memories else None, steps, memories, scheduled,
-                    model_calls=calls if mark is not None else None, model_order=order, c10d_calls=c10d, peaks=peaks,
+                    model_calls=calls if mark is not None else None, model_order=order, reads=reads, c10d_calls=c10d, peaks=peaks,
                     peaks_problem=problem)
 
 

@@ -60,6 +60,8 @@ class Scheduled:
     started: tuple[str, ...] | None = None
     """in a marked trace, the groups whose model compute had begun in this pass by the first compute after its issue
     (in the order they began; see `most_ahead`); None: unmarked, or nothing computed after it in the pass."""
+    number: int | None = None
+    """in a marked trace, an all-gather's number on its rank (`gather_tag`: whose data a leaf's parameters held)."""
 
 
 BLOCKING_WAIT, DONE_WAIT = "Work.wait (blocking)", "Work.wait (done)"
@@ -278,6 +280,19 @@ def marked_leaf(name: str, mark: str) -> tuple[str, bool] | None:
     return None
 
 
+GATHER_TAG, READ_TAG = " gathered #", " read parameters #"
+
+
+def gather_tag(mark: str, number: int) -> str:
+    """The range inside the n-th all-gather a rank issued in a graded profiled run (jobs.Sources)."""
+    return f"{mark}{GATHER_TAG}{number}"
+
+
+def read_tag(mark: str, numbers) -> str:
+    """The range inside an op that read a leaf's parameters, whose bytes held those all-gathers' data (jobs.Sources)."""
+    return f"{mark}{READ_TAG}{','.join(map(str, sorted(numbers)))}"
+
+
 def drawn_mark() -> str:
     """A name for `marked_compute`'s ranges that the file under test cannot know: drawn for each run."""
     return f"## model compute {secrets.token_hex(16)} ##"
@@ -289,13 +304,14 @@ FROM_OUTSIDE = " (called from outside the model)"
 
 
 @contextlib.contextmanager
-def marked_compute(model: torch.nn.Module, mark: str):
+def marked_compute(model: torch.nn.Module, mark: str, called: Callable[[torch.nn.Module], None] | None = None):
     """Every forward of one of `model`'s leaf modules runs inside a range named `mark` (see
     [Note: what counts as compute]): the forward of each leaf class that torch or torchtitan defines,
     for the model's own instances of exactly that class (a subclass may add code around it). Which leaves
     ran, in order, is compared with FSDP2's (`model_order`): an FSDP never calls the model's modules itself,
     nor moves them; a call its parent's forward (the model's code, in torch or torchtitan) did not make through
-    `Module.__call__` is named so (FROM_OUTSIDE), and is no compute. Put back however it ends."""
+    `Module.__call__` is named so (FROM_OUTSIDE), and is no compute. called: told of each leaf the model calls
+    (jobs.Sources: whose parameters to follow). Put back however it ends."""
     import torchtitan
 
     homes = tuple(str(Path(m.__file__).parent) + "/" for m in (torch, torchtitan))
@@ -335,6 +351,8 @@ def marked_compute(model: torch.nn.Module, mark: str):
                         and caller.f_locals.get("self") is parents[id(self)])
             del frame, wrapped, caller
             name = mine[id(self)] if by_model else mine[id(self)] + FROM_OUTSIDE
+            if called is not None and by_model and plain_module:
+                called(self)
             with torch.profiler.record_function(marked_name(mark, name, plain_module and by_model)):
                 return forward(self, *args, **kwargs)
         return run
@@ -362,14 +380,14 @@ def model_calls(events: list[dict], mark: str) -> tuple[int, int]:
                          and MODEL_BACKWARD.match(e["name"]))
 
 
-def linked_nodes(events: list[dict], mark: str) -> dict[int, str]:
-    """Sequence number -> group, of every op that ran inside a leaf's marked forward which is compute, whatever
-    thread: the backward nodes those ops made carry the same number (see [Note: what counts as compute]). A number
-    found in two groups (two threads' counters) links neither."""
+def linked_nodes(events: list[dict], mark: str, by: Callable[[str], str] = group_of) -> dict[int, str]:
+    """Sequence number -> group (`by` the leaf's name: its group; or the leaf itself), of every op that ran inside a
+    leaf's marked forward which is compute, whatever thread: the backward nodes those ops made carry the same number
+    (see [Note: what counts as compute]). A number found in two groups (two threads' counters) links neither."""
     leaves: dict[tuple, list] = defaultdict(list)  # thread -> the compute ranges of leaf forwards on it
     for e in events:
         if e.get("cat") == "user_annotation" and (marked := marked_leaf(e["name"], mark)) and marked[1]:
-            leaves[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"], group_of(marked[0])))
+            leaves[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"], by(marked[0])))
     at = {thread: Ranges(spans) for thread, spans in leaves.items()}
     out: dict[int, str] = {}
     for e in events:
@@ -480,6 +498,9 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
             found = waited + asked + (done if C10D_OPS[op["name"]][0] == "all_gather" else [])
             return min(found, default=None), release
         hook_wait = sorted(e["ts"] for e in on if e["name"] in HOOK_WAIT_MARKS)
+        numbers = sorted((e["ts"], int(e["name"][len(mark) + len(GATHER_TAG):])) for e in on if mark is not None
+                         and e.get("cat") == "user_annotation" and e["name"].startswith(mark + GATHER_TAG)
+                         and e["name"][len(mark) + len(GATHER_TAG):].isdigit())
         group_ranges = t.groups.get(thread)
         for (kind, group), ops in issues.items():
             for k, op in enumerate(ops):
@@ -517,8 +538,61 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                 out.append(Scheduled(t.rank, t.steps.at(op["ts"]), t.phases.at(op["ts"], OTHER),
                                      phase_range[0] if phase_range else -1.0, kind, group, op["ts"], waited,
                                      blocked, ran or what == "reduce_scatter_done", released,
-                                     started(phase_range, end) if phase_range else None))
+                                     started(phase_range, end) if phase_range else None,
+                                     number_in(numbers, op) if kind == "all_gather" else None))
     return sorted(out, key=lambda s: (s.rank or 0, s.issued))
+
+
+def number_in(numbers: list[tuple[float, int]], op: dict) -> int | None:
+    """The number of the one `gather_tag` range inside this c10d op (sorted (start, number) of a thread's)."""
+    i = bisect.bisect_left(numbers, (op["ts"], -1))
+    inside_op = [n for ts, n in numbers[i:i + 2] if ts <= op["ts"] + op["dur"]]
+    return inside_op[0] if len(inside_op) == 1 else None
+
+
+THIS_PASS, EARLIER_PASS, EARLIER_STEP = "this pass", "an earlier pass of this step", "an earlier step"
+
+
+def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tuple]:
+    """Every read of the model's leaves' parameters by its compute in this rank's trace (jobs.Sources' `read_tag`
+    ranges inside a leaf's marked forward, or inside a node of its ops: see [Note: what counts as compute]), in order,
+    as (step, phase, leaf, sources); the leaf is the one computing (the range's, or the node's forward op's), whatever
+    the program registered, and sources, for each all-gather whose data the bytes read held, (the group it was issued
+    as, its phase, and whether it was issued in the read's pass (THIS_PASS), an earlier one of its step, or an earlier
+    step); (None, "", "") for one issued outside any group's range, or before the profiled steps. `scheduled`: this
+    trace's."""
+    numbered = {s.number: s for s in scheduled if s.number is not None and s.rank == t.rank}
+    nodes = linked_nodes(t.ranges, mark, by=lambda leaf: leaf)
+    passes = Ranges((s, e, s) for s, e, _ in t.phases.ranges)
+    prefix = mark + READ_TAG
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in t.ranges:
+        by_thread[e["pid"], e["tid"]].append(e)
+    out = []
+    for on in by_thread.values():
+        tags = [e for e in on if e.get("cat") == "user_annotation" and e["name"].startswith(prefix)]
+        if not tags:
+            continue
+        leaves = Ranges((e["ts"], e["ts"] + e["dur"], marked[0]) for e in on if e.get("cat") == "user_annotation"
+                        and (marked := marked_leaf(e["name"], mark)) and marked[1])
+        backward = Ranges((e["ts"], e["ts"] + e["dur"], nodes[n]) for e in on if e.get("cat") == "cpu_op"
+                          and MODEL_BACKWARD.match(e["name"]) and (n := e.get("args", {}).get(SEQUENCE)) in nodes)
+        for e in tags:
+            # a leaf's forward recomputed inside a node's (activation checkpointing) first, as compute_ops
+            if (leaf := leaves.at(e["ts"]) or backward.at(e["ts"])) is None:
+                continue  # not the model's compute: the FSDP's own copies
+            held = e["name"][len(prefix):]
+            step, phase, at = t.steps.at(e["ts"]), t.phases.at(e["ts"], OTHER), passes.at(e["ts"])
+            sources = set()
+            for n in held.split(",") if held else ():
+                s = numbered.get(int(n)) if n.isdigit() else None
+                if s is None:
+                    sources.add((None, "", ""))
+                else:
+                    sources.add((s.group, s.phase, THIS_PASS if s.pass_start == at else
+                                 EARLIER_PASS if s.step == step else EARLIER_STEP))
+            out.append((e["ts"], step, phase, leaf, tuple(sorted(sources, key=str))))
+    return [read[1:] for read in sorted(out, key=lambda r: r[0])]
 
 
 def must_overlap(scheduled: list[Scheduled]) -> list[Scheduled]:
