@@ -260,8 +260,10 @@ class Sources:
         out = run()
         for t in written:
             self.write(t, tags)
+        inputs = {t.untyped_storage()._cdata for t in read} if read else set()
         for t in (out,) if type(out) in _PLAIN else _tensors(out):
-            if type(t) in _PLAIN:
+            # a new tensor, not one sharing an input's memory (`_unsafe_view`, which no schema calls a view, writes none)
+            if type(t) in _PLAIN and t.untyped_storage()._cdata not in inputs:
                 self.write(t, tags)
         return out
 
