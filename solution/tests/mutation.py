@@ -231,6 +231,25 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "                self.kept = columns\n"
         "            elif getattr(self, \"kept\", None) is not None:\n"
         "                columns, self.kept = self.kept, None\n")],
+    # Every reduce-scatter left running until the end of backward: each overlaps the compute after it, and every
+    # group's gradient buffers are held at once (FSDP2 finishes the previous group's before issuing the next).
+    "reduce-scatters-all-in-flight": [(
+        "        if ctx.pending_reduce is not None:\n"
+        "            ctx.pending_reduce, pending = None, ctx.pending_reduce\n"
+        "            pending.finish()\n"
+        "        pending = self.group.reduce_scatter()\n"
+        "        if pending is not None:\n"
+        "            ctx.pending_reduce = pending\n",
+        "        pending = self.group.reduce_scatter()\n"
+        "        if pending is not None:\n"
+        "            ctx.__dict__.setdefault(\"flying\", []).append(pending)\n"), (
+        "            if ctx.pending_reduce is not None:\n"
+        "                ctx.pending_reduce, pending = None, ctx.pending_reduce\n"
+        "                pending.finish()\n"
+        "            if ctx.is_last_backward:",
+        "            for pending in ctx.__dict__.pop(\"flying\", []):\n"
+        "                pending.finish()\n"
+        "            if ctx.is_last_backward:")],
     # Tells the runs apart by the step it is in: every group prefetched at once through step 3 (the last a
     # profiled run of tasks 2 and 3 has), nothing from step 4 (which only the memory job has). The memory check
     # judges the peak on the profiled steps only.

@@ -142,6 +142,16 @@ def test_overlap_check_fails_with_two_all_gathers_in_flight(mutant, pool2, tmp_p
         checks.assert_overlap(profiles, which)
 
 
+def test_overlap_check_fails_with_every_reduce_scatter_in_flight(mutant, pool2, tmp_path):
+    """Every reduce-scatter left running until the end of backward overlaps the compute after it, and holds every
+    group's gradient buffers at once: FSDP2 finishes the previous group's before issuing the next, one in flight."""
+    profiles = checks.profile_both(pool2, mutant("reduce-scatters-all-in-flight"), tmp_path / "profiles")
+    with pytest.raises(AssertionError, match=r"reduce-scatters in backward: [3-9] were in flight at once \(rank 0, step "
+                                             r"\d+: layers\.5, layers\.4, layers\.3"):
+        checks.assert_overlap(profiles, "backward")
+    checks.assert_overlap(profiles, "forward")
+
+
 def test_overlap_check_fails_two_groups_ahead_with_one_in_flight(mutant, pool2, tmp_path):
     """The next group's all-gather waited for mid-block (from a hook on a block's child, after some of its compute)
     and the one after it issued there: one all-gather in flight at a time, each waited for after another group's

@@ -450,15 +450,20 @@ def assert_overlap(p: Profiles, which: str) -> str:
             raise AssertionError(
                 f"{p.what}: {name}: {done} of the {could} that can overlap compute did ({where}; FSDP2 on "
                 f"CPU: {ref_done} of {ref_could}, it waits at once). They are not overlapped: {fix}.")
-        if kind == "all_gather":  # one group ahead, not every group at once (which also overlaps)
-            count, flying = most_in_flight([s for s in p.effdl.scheduled if (s.kind, s.phase) == (kind, phase)])
-            if count > IN_FLIGHT:
-                raise AssertionError(
-                    f"{p.what}: {name}: {count} were in flight at once (rank {flying[-1].rank}, step "
-                    f"{flying[-1].step}: {', '.join(o.group for o in flying)}'s issued before any of them was waited "
-                    f"for; FSDP2 waits for a group's own all-gather, then starts the next group's, one in flight at a "
+        # one in flight, not every group's at once (which also overlaps)
+        count, flying = most_in_flight([s for s in p.effdl.scheduled if (s.kind, s.phase) == (kind, phase)])
+        if count > IN_FLIGHT:
+            raise AssertionError(
+                f"{p.what}: {name}: {count} were in flight at once (rank {flying[-1].rank}, step "
+                f"{flying[-1].step}: {', '.join(o.group for o in flying)}'s issued before any of them was waited "
+                "for; " + (
+                    f"FSDP2 waits for a group's own all-gather, then starts the next group's, one in flight at a "
                     f"time). Gathering groups further ahead holds more parameters than FSDP2: {fix}, and only that "
-                    "group, after this group's own was waited for.")
+                    "group, after this group's own was waited for." if kind == "all_gather" else
+                    "FSDP2 waits for the previous group's reduce-scatter before it issues the next, one in flight at "
+                    "a time). Leaving more running holds more groups' gradient buffers than FSDP2: finish the "
+                    "previous group's reduce-scatter, then issue this group's."))
+        if kind == "all_gather":  # one group ahead
             gathered = {s.group for s in p.fsdp2.scheduled if (s.kind, s.phase) == (kind, phase)}
             ahead, s = most_ahead([s for s in p.effdl.scheduled if (s.kind, s.phase) == (kind, phase)], gathered)
             if ahead > AHEAD:

@@ -73,8 +73,8 @@ def describe(cfg: train.Config, world: int) -> str:
 # collectives' time compute ran) depend on thread scheduling (under load the reference's fell
 # from 30-58 % to 7 %) and are only shown as evidence. FSDP2 on CPU waits for each right away.
 IN_FLIGHT = 1
-"""all-gathers of one pass in flight at once (issued, not yet waited for): FSDP2 waits for a group's own, then
-starts the next group's"""
+"""collectives of one kind and pass in flight at once (issued, not yet waited for): FSDP2 waits for a group's own
+all-gather, then starts the next group's, and waits for the previous group's reduce-scatter before issuing the next"""
 AHEAD = 1
 """groups an all-gather may run ahead of the groups computing (schedule.most_ahead): FSDP2 gathers a group as it
 starts, then the next; wherever a program waits, gathering further ahead holds more groups' parameters"""
