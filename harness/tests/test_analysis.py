@@ -693,7 +693,9 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
     """A graded profiled run's collective log follows each all-gather's data (jobs.Sources, see jobs.py's [Note: where
     the model's parameters came from]): its number goes with its bytes through a copy-out (copy_, an out= op, a
     view's), through arithmetic, and adds up where data of two meet; a read of a leaf's parameters names the numbers
-    its bytes hold, and bytes written from nothing gathered (zero_, a tensor made from a list) hold none."""
+    its bytes hold, and NONE_GATHERED where some hold none (zero_, a tensor made from a list). A write through a
+    strided view numbers only the bytes it writes, a tensor of another class without a dispatch of its own is followed
+    as any, and bytes moved where no op shows it (a storage resized) hold nothing gathered."""
     import torch
     import torch.nn as nn
 
@@ -703,6 +705,7 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
     log = CommLog(mark)
     leaf = nn.Linear(4, 4, bias=False)
     x = torch.randn(2, 4)
+    none = schedule.NONE_GATHERED
     with torch.profiler.profile() as prof, log:
         first, second = torch.arange(32.0), torch.arange(32.0) * 2
         log.sources.gathered([first])  # number 1 (gloo writes it where no op shows)
@@ -723,13 +726,26 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         weight.copy_(first[:16].view(4, 4) * 1)
         weight.add_(second[16:].view(4, 4))
         leaf(x)  # 1 and 2
+        weight.copy_(first[:16].view(4, 4))
+        weight.view(-1)[::15].copy_(second[:2])  # two elements, the first and the last: the rest holds 1 still
+        strided = log.sources.held(weight)
+        weight.copy_(torch.zeros(4, 4) * first[:1])  # a sum with one gathered number: zeros hold none
+        mixed = log.sources.held(weight)
+        other = nn.parameter.UninitializedBuffer()
+        other.data = weight
+        other.copy_(second[:16].view(4, 4))  # through a tensor of another class
+        through = log.sources.held(weight)
+        moved = first.clone()
+        moved.untyped_storage().resize_(moved.untyped_storage().nbytes() * 4)  # its bytes copied where no op shows
+        resized = log.sources.held(moved[:32])
+    assert (strided, mixed, through, resized) == ({1, 2}, {none, 1}, {2}, {none}), (strided, mixed, through, resized)
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     names = [e["name"] for e in sorted(json.loads((tmp_path / "t.json").read_text())["traceEvents"],
                                        key=lambda e: e.get("ts", 0)) if e.get("ph") == "X"]
     tag = lambda *numbers: schedule.read_tag(mark, numbers)  # noqa: E731
     # add_ reads the parameter too (outside the model's compute: the analysis keeps only what compute read)
     assert [n for n in names if n.startswith(mark + schedule.READ_TAG)] == [
-        tag(1), tag(1, 2), tag(), tag(), tag(1), tag(1, 2)]
+        tag(1), tag(1, 2), tag(none), tag(none), tag(1), tag(1, 2)]
     assert [n for n in names if n.startswith(mark + schedule.GATHER_TAG)] == [
         schedule.gather_tag(mark, 1), schedule.gather_tag(mark, 2)]
 
@@ -753,8 +769,9 @@ def test_a_parameter_holds_its_own_groups_gathered_data():
     judged(*fsdp2, phase="backward")
     wq = "layers.0.attention.wq"
     for sources, message in (
-            ((), r"rank 0, step 1, forward: layers\.0\.attention\.wq's parameters, as the model read them, held no "
-                 r"all-gather's data"),
+            ((), r"rank 0, step 1, forward: layers\.0\.attention\.wq's parameters, as the model read them, held "
+                 r"bytes that no all-gather brought"),
+            ((("layers.0", "forward", this), ("", "", "")), r"held bytes that no all-gather brought"),
             ((("layers.1", "forward", this),), r"held data of the all-gather issued as layers\.1's, not layers\.0's"),
             (((None, "", ""),), r"issued as no group's \(outside the groups' ranges, or before the profiled steps\)"),
     ):

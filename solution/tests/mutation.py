@@ -892,6 +892,17 @@ SOURCE_CHEATS.update({
 SOURCE_REFUSALS.update({
     'poll-through-the-storage': 'uses `flat.untyped_storage()` other than by calling',
 })
+# A nineteenth round's.
+SOURCE_CHEATS.update({
+    # An all-gather's output polled before its wait through an uninitialized buffer holding its data (the collective
+    # log followed plain tensors and parameters only), or written through one where the log did not follow.
+    'poll-through-an-uninitialized-buffer': 'import torch\nfrom torch import nn\n\n\ndef arrived(flat):\n'
+                                            '    view = nn.parameter.UninitializedBuffer()\n    view.data = flat\n'
+                                            '    return bool(view[-1] == view[-1])\n',
+})
+SOURCE_REFUSALS.update({
+    'poll-through-an-uninitialized-buffer': 'uses `UninitializedBuffer`',
+})
 SOURCE_REFUSALS.update({
     'warning-reads-a-file': 'uses `redirect_stderr`',
     'context-resumed-by-hand': 'uses `.gen`',

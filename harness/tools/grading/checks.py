@@ -379,10 +379,10 @@ def assert_parameters_gathered(p: Profiles, phase: str) -> None:
             if ph != phase:
                 continue
             where = f"{p.what}: rank {rank}, step {step}, {phase}: {leaf}'s parameters, as the model read them,"
-            if not sources:
+            if not sources or any(g == "" for g, _, _ in sources):
                 raise AssertionError(
-                    f"{where} held no all-gather's data (made or changed another way after it): a group's parameters "
-                    "are what its own all-gather brought, copied out as they are")
+                    f"{where} held bytes that no all-gather brought (made or changed another way after it): a group's "
+                    "parameters are what its own all-gather brought, copied out as they are")
             if others := [g for g, _, _ in sources if g != group_of(leaf)]:
                 raise AssertionError(
                     f"{where} held data of the all-gather issued as " +

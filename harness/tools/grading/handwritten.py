@@ -205,6 +205,11 @@ ADVICE = {
                      "register_module_backward_hook", "register_module_buffer_registration_hook",
                      "register_module_module_registration_hook", "register_module_parameter_registration_hook"),
                     "register hooks on the modules you wrap (module.register_forward_pre_hook...)"),
+    # Tensors of a class of torch's own that an FSDP never needs: an uninitialized parameter or buffer with another
+    # tensor's data put in (`.data = t`) wrote and read that memory beside the collective log's view of plain ones.
+    **dict.fromkeys(("UninitializedBuffer", "UninitializedParameter", "UninitializedTensorMixin"),
+                    "an FSDP's tensors are plain tensors and nn.Parameter: work on the parameters and buffers you "
+                    "make with torch.empty and nn.Parameter"),
     # Storage outside torch's CPU allocator, which the graded memory check counts (harness/memory.py).
     **dict.fromkeys(("share_memory_", "from_file", "_share_filename_", "_share_fd_", "_new_shared",
                      "_new_shared_filename", "_new_shared_fd", "frombuffer", "asarray", "from_buffer",

@@ -13,6 +13,7 @@ import bisect
 import contextlib
 import dataclasses
 import hashlib
+import math
 import weakref
 
 import torch
@@ -26,8 +27,8 @@ from harness import assets, memory, memory_model, model_setup
 from harness.distributed import agree, current_device
 from harness.tools.grading import handwritten
 from harness.tools.grading.policy import config
-from harness.tools.traces.schedule import (WORK_WAITS, current, drawn_mark, gather_tag, marked_compute, marked_waits,
-                                           read_tag, routed)
+from harness.tools.traces.schedule import (NONE_GATHERED, WORK_WAITS, current, drawn_mark, gather_tag, marked_compute,
+                                           marked_waits, read_tag, routed)
 
 
 # --------------------------------------------------------------------------- parameter shards
@@ -106,7 +107,13 @@ def group_ranks(func, args) -> tuple[int, ...] | None:
 
 
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__  # a plain tensor's: torch's own kernels
-_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _followed(t: torch.Tensor) -> bool:
+    """A tensor whose ops run torch's own kernels: of any class without a dispatch of its own (a parameter, a buffer,
+    an uninitialized one: each reads and writes memory as a plain tensor). A DTensor's ops come back to the log as
+    its local tensors'."""
+    return type(t).__torch_dispatch__ is _NO_DISPATCH
 
 # [Note: a collective's result read before its wait]
 # An op that reads what an asynchronous all-gather, reduce-scatter or all-reduce writes before its work
@@ -134,8 +141,36 @@ def _extent(t: torch.Tensor) -> tuple[int, int] | None:
         return None
     if t.is_contiguous():
         return start, start + t.numel() * t.element_size()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    last = sum((n - 1) * s for n, s in zip(t.size(), t.stride()))
     return start, start + (last + 1) * t.element_size()
+
+
+def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
+    """The bytes a tensor's elements occupy, as [start, end) runs in order (one for a dense tensor, one per row of a
+    column slice...); None when it spans none, or in more than `most` runs."""
+    if not (extent := _extent(t)):
+        return None
+    if t.is_contiguous():
+        return [extent]
+    dims = sorted(((n, s) for n, s in zip(t.size(), t.stride()) if n > 1), key=lambda d: d[1])
+    block = 1  # elements in one run: the innermost dimensions laid out densely
+    while dims and dims[0][1] == block:
+        block *= dims[0][0]
+        dims.pop(0)
+    if math.prod(n for n, _ in dims) > most:
+        return None
+    offsets = [0]
+    for n, stride in dims:
+        offsets = [o + i * stride for o in offsets for i in range(n)]
+    size, start = t.element_size(), t.data_ptr()
+    runs: list[tuple[int, int]] = []
+    for o in sorted(offsets):
+        a, b = start + o * size, start + (o + block) * size
+        if runs and a <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(b, runs[-1][1]))
+        else:
+            runs.append((a, b))
+    return runs
 
 
 # [Note: where the model's parameters came from]
@@ -144,18 +179,19 @@ def _extent(t: torch.Tensor) -> tuple[int, int] | None:
 # next block's under this block's name, or the last block's kept aside from forward and one group's carried in
 # each later collective) held two groups gathered ahead with every count FSDP2's. So, in a graded profiled run,
 # the data is followed: each all-gather is numbered where it is issued (a range `gather_tag` names, inside the
-# c10d op), and every op's written bytes carry the numbers of the all-gathers whose data the op read (a copy-out,
-# a cast, a view's reshaping copy, a sum with them; an op that reads none writes none: a fresh tensor, `zero_`,
-# a copy from elsewhere). Where an op reads the parameters of one of the model's leaves (as the model last called
-# it: `marked_compute` tells), a range (`read_tag`) says which all-gathers' data its bytes hold; the analysis
-# (schedule.parameter_reads) takes the leaf from the compute the read is in (the leaf's marked forward, or a node
-# of its ops), ties each number to the collective it was issued as, and the checks require each leaf's parameters
-# to hold only data of its own group's collectives, from the passes FSDP2's come from, in every pass FSDP2's are
-# read in (checks.assert_parameters_gathered). Bytes are followed by address: a view shares its base's,
-# and a storage given back and reused is written again before it is read (by an op the log sees, or by an
-# all-gather, which numbers it afresh).
-
-
+# c10d op), and the bytes every op writes carry the numbers of the all-gathers whose data the op read (a copy-out,
+# a cast, a view's reshaping copy, a sum with them), or NONE_GATHERED where it read bytes that hold no all-gather's
+# data (a fresh tensor, a copy from elsewhere: an op that reads none writes none). Where an op reads the parameters
+# of one of the model's leaves (as the model last called it: `marked_compute` tells), a range (`read_tag`) says
+# which all-gathers' data its bytes hold; the analysis (schedule.parameter_reads) takes the leaf from the compute
+# the read is in (the leaf's marked forward, or a node of its ops), ties each number to the collective it was
+# issued as, and the checks require each leaf's parameters to hold only data of its own group's collectives, every
+# byte of them, from the passes FSDP2's come from, in every pass FSDP2's are read in
+# (checks.assert_parameters_gathered). Bytes are followed by address, each run of a strided tensor's for itself (a
+# write through a strided view, an all-gather's included, numbers only the bytes it writes; one in more runs than
+# are followed adds its numbers to what each byte held, and NONE_GATHERED where it held none); and by storage: what
+# a storage's bytes hold is what was written through that storage (the same memory freed and allocated again, or
+# moved where no op shows it, `untyped_storage().resize_()`, holds nothing gathered until written).
 class Sources:
     """The all-gathers whose data each byte range of memory holds, and the model's leaves' parameters (see [Note:
     where the model's parameters came from]): one rank's, under a drawn mark."""
@@ -164,7 +200,7 @@ class Sources:
         self.mark = mark
         self.gathers = 0
         self.starts: list[int] = []  # sorted, ranges not overlapping
-        self.spans: list[tuple[int, int, frozenset]] = []
+        self.spans: list[tuple[int, int, frozenset, int]] = []  # (start, end, numbers, the storage that wrote them)
         self.params: dict[int, list[weakref.ref]] = {}  # storage -> the leaves' parameters on it
         self._layouts: dict = {}
 
@@ -175,28 +211,53 @@ class Sources:
         j = bisect.bisect_left(self.starts, b, lo=i)
         return i, j
 
-    def held(self, t: torch.Tensor) -> frozenset:
-        """The numbers of the all-gathers whose data `t`'s bytes hold."""
-        if not self.spans or not (extent := _extent(t)):
-            return _NONE
-        i, j = self._overlapping(*extent)
-        return _NONE.union(*(tags for _, _, tags in self.spans[i:j])) if i < j else _NONE
+    def _held(self, a: int, b: int, storage: int) -> list[tuple[int, int, frozenset]]:
+        """[a, b) as pieces (start, end, numbers), NONE_GATHERED's where `storage` wrote none there."""
+        i, j = self._overlapping(a, b)
+        pieces, at = [], a
+        for s, e, numbers, by in self.spans[i:j]:
+            if by != storage:
+                continue  # another storage's bytes once: not this one's
+            if s > at:
+                pieces.append((at, s, _UNGATHERED))
+            pieces.append((max(s, a), min(e, b), numbers))
+            at = min(e, b)
+        if at < b:
+            pieces.append((at, b, _UNGATHERED))
+        return pieces
 
-    def write(self, t: torch.Tensor, tags: frozenset) -> None:
-        """`t`'s bytes now hold `tags`'s data (none: what was there is gone)."""
-        if not (tags or self.spans) or not (extent := _extent(t)):
-            return
-        a, b = extent
+    def held(self, t: torch.Tensor) -> frozenset:
+        """The numbers of the all-gathers whose data `t`'s bytes hold (NONE_GATHERED among them where some hold none)."""
+        if (runs := _runs(t) or ([extent] if (extent := _extent(t)) else None)) is None:
+            return _NONE
+        if not self.spans:
+            return _UNGATHERED
+        storage = t.untyped_storage()._cdata
+        return _NONE.union(*(numbers for a, b in runs for _, _, numbers in self._held(a, b, storage)))
+
+    def _replace(self, a: int, b: int, numbers: frozenset, storage: int) -> None:
         i, j = self._overlapping(a, b)
         kept = []
         if i < j and self.spans[i][0] < a:
-            kept.append((self.spans[i][0], a, self.spans[i][2]))
-        if tags:
-            kept.append((a, b, tags))
+            kept.append((self.spans[i][0], a, *self.spans[i][2:]))
+        if numbers and numbers != _UNGATHERED:
+            kept.append((a, b, numbers, storage))
         if i < j and self.spans[j - 1][1] > b:
-            kept.append((b, self.spans[j - 1][1], self.spans[j - 1][2]))
+            kept.append((b, self.spans[j - 1][1], *self.spans[j - 1][2:]))
         self.spans[i:j] = kept
-        self.starts[i:j] = [s for s, _, _ in kept]
+        self.starts[i:j] = [s for s, *_ in kept]
+
+    def write(self, t: torch.Tensor, numbers: frozenset) -> None:
+        """`t`'s bytes now hold those all-gathers' data (none: what was there is gone)."""
+        if not self.spans and numbers in (_NONE, _UNGATHERED) or not (extent := _extent(t)):
+            return
+        storage = t.untyped_storage()._cdata
+        if (runs := _runs(t)) is not None:
+            for a, b in runs:
+                self._replace(a, b, numbers, storage)
+        else:  # which of its bytes it wrote is not followed: each may hold what it held, or these
+            for a, b, old in self._held(*extent, storage):
+                self._replace(a, b, old | numbers, storage)
 
     def gathered(self, outputs: list[torch.Tensor]) -> None:
         """An all-gather issued, writing `outputs`: numbered, in the trace and in memory."""
@@ -208,11 +269,12 @@ class Sources:
 
     def called(self, module: nn.Module) -> None:
         """The model called one of its leaves: its parameters as it is called are the ones to follow."""
-        for p in module._parameters.values():
-            if type(p) in _PLAIN:
-                on = self.params.setdefault(p.untyped_storage()._cdata, [])
-                if not any(r() is p for r in on):
-                    on[:] = [r for r in on if r() is not None] + [weakref.ref(p)]
+        with torch._C.DisableTorchFunctionSubclass():  # as the log reads tensors
+            for p in module._parameters.values():
+                if isinstance(p, torch.Tensor) and _followed(p):
+                    on = self.params.setdefault(p.untyped_storage()._cdata, [])
+                    if not any(r() is p for r in on):
+                        on[:] = [r for r in on if r() is not None] + [weakref.ref(p)]
 
     def _a_parameter(self, t: torch.Tensor) -> bool:
         """Whether `t` is (in) the memory of a parameter of the model's leaves, as one was last called."""
@@ -243,15 +305,14 @@ class Sources:
             value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
             if value is None:
                 continue
-            tensors = (value,) if type(value) in _PLAIN else [t for t in _tensors(value) if type(t) in _PLAIN]
+            tensors = [t for t in ((value,) if isinstance(value, torch.Tensor) else _tensors(value)) if _followed(t)]
             if how is not READ:
                 written.extend(tensors)
             if how is not OVERWRITTEN:
                 read.extend(tensors)
-        tags = _NONE
-        if self.spans:
-            for t in read:
-                tags = tags | self.held(t)
+        numbers = _NONE
+        for t in read:
+            numbers = numbers | self.held(t)
         if self.params:
             for t in read:
                 if self._a_parameter(t):
@@ -259,16 +320,17 @@ class Sources:
                         pass
         out = run()
         for t in written:
-            self.write(t, tags)
+            self.write(t, numbers)
         inputs = {t.untyped_storage()._cdata for t in read} if read else set()
-        for t in (out,) if type(out) in _PLAIN else _tensors(out):
+        for t in (out,) if isinstance(out, torch.Tensor) else _tensors(out):
             # a new tensor, not one sharing an input's memory (`_unsafe_view`, which no schema calls a view, writes none)
-            if type(t) in _PLAIN and t.untyped_storage()._cdata not in inputs:
-                self.write(t, tags)
+            if _followed(t) and t.untyped_storage()._cdata not in inputs:
+                self.write(t, numbers)
         return out
 
 
 _NONE: frozenset = frozenset()
+_UNGATHERED = frozenset((NONE_GATHERED,))
 READ, WRITTEN, OVERWRITTEN = "read", "written", "overwritten"
 _OVERWRITE = {getattr(torch.ops.aten, n) for n in ("copy_", "fill_", "zero_") if hasattr(torch.ops.aten, n)}
 """in-place ops whose first argument's bytes are all written and none read."""
@@ -330,7 +392,12 @@ class CommLog(TorchDispatchMode):
         if any(t.__torch_dispatch__ is not _NO_DISPATCH and not t.__module__.startswith("torch._subclasses.")
                for t in types):
             return NotImplemented
-        kwargs = kwargs or {}
+        # What the log reads of a tensor (its size, strides, storage) it reads as torch's own: a class of torch's
+        # (an uninitialized buffer) may refuse such reads in Python
+        with torch._C.DisableTorchFunctionSubclass():
+            return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func, args, kwargs):
         ns, name = func.namespace, func.__name__.split(".")[0]
         if ns == "fsdp" and self.uses_fsdp2 is None:
             self.uses_fsdp2 = f"it runs FSDP2's op fsdp::{name}"
@@ -364,7 +431,7 @@ class CommLog(TorchDispatchMode):
                 self.pending[id(work)] = (work, list(_tensors(args[0])), kind)
             return out
         if self.pending and not self.problems and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
-            read = [r for t in _tensors((args, kwargs)) if type(t) in _PLAIN and (r := _extent(t))]
+            read = [r for t in _tensors((args, kwargs)) if _followed(t) and (r := _extent(t))]
             for work, outputs, kind in self.pending.values():
                 written = [r for t in outputs if (r := _extent(t))]  # where they are now
                 if any(a < d and c < b for a, b in read for c, d in written):

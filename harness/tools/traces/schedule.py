@@ -281,6 +281,8 @@ def marked_leaf(name: str, mark: str) -> tuple[str, bool] | None:
 
 
 GATHER_TAG, READ_TAG = " gathered #", " read parameters #"
+NONE_GATHERED = 0
+"""the number, in a `read_tag`, of bytes that hold no all-gather's data (jobs.Sources)."""
 
 
 def gather_tag(mark: str, number: int) -> str:
@@ -559,8 +561,8 @@ def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tup
     as (step, phase, leaf, sources); the leaf is the one computing (the range's, or the node's forward op's), whatever
     the program registered, and sources, for each all-gather whose data the bytes read held, (the group it was issued
     as, its phase, and whether it was issued in the read's pass (THIS_PASS), an earlier one of its step, or an earlier
-    step); (None, "", "") for one issued outside any group's range, or before the profiled steps. `scheduled`: this
-    trace's."""
+    step); (None, "", "") for one issued outside any group's range, or before the profiled steps; ("", "", "") where
+    some bytes held no all-gather's data. `scheduled`: this trace's."""
     numbered = {s.number: s for s in scheduled if s.number is not None and s.rank == t.rank}
     nodes = linked_nodes(t.ranges, mark, by=lambda leaf: leaf)
     passes = Ranges((s, e, s) for s, e, _ in t.phases.ranges)
@@ -586,7 +588,9 @@ def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tup
             sources = set()
             for n in held.split(",") if held else ():
                 s = numbered.get(int(n)) if n.isdigit() else None
-                if s is None:
+                if n == str(NONE_GATHERED):
+                    sources.add(("", "", ""))
+                elif s is None:
                     sources.add((None, "", ""))
                 else:
                     sources.add((s.group, s.phase, THIS_PASS if s.pass_start == at else
