@@ -31,7 +31,8 @@ def sandbox_processes() -> list[int]:
         return []
     uid, _ = sandbox.account()
     return [p.pid for p in psutil.process_iter(["uids", "status"])
-            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE
+            if p.info["uids"] and p.info["uids"].real == uid
+            and (p.info["status"] != psutil.STATUS_ZOMBIE or sandbox.any_thread_runs(p.pid))
             and not _another_checkouts(p)]
 
 

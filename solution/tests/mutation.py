@@ -903,6 +903,13 @@ SOURCE_CHEATS.update({
 SOURCE_REFUSALS.update({
     'poll-through-an-uninitialized-buffer': 'uses `UninitializedBuffer`',
 })
+# A twentieth round's: a module's buffers moved into shared memory, which the graded memory check does not count.
+SOURCE_CHEATS.update({
+    'module-share-memory': 'from torch import nn\n\n\ndef hide(module: nn.Module) -> None:\n    module.share_memory()\n',
+})
+SOURCE_REFUSALS.update({
+    'module-share-memory': 'uses `share_memory`',
+})
 SOURCE_REFUSALS.update({
     'warning-reads-a-file': 'uses `redirect_stderr`',
     'context-resumed-by-hand': 'uses `.gen`',

@@ -87,6 +87,8 @@ class Identity:
     tmp: str
     refused: list[str]
     """the protected paths this rank could not read or write"""
+    dumpable: int
+    """PR_GET_DUMPABLE: 0, so that no other process of its user may trace it or read its memory"""
 
 
 def identity_job(reads: list[str], writes: list[str]) -> Identity:
@@ -104,15 +106,25 @@ def identity_job(reads: list[str], writes: list[str]) -> Identity:
                 pass
         except OSError:
             refused.append(path)
-    return Identity(os.getuid(), os.getgid(), os.getgroups(), os.environ["HOME"], tempfile.gettempdir(), refused)
+    import ctypes
+
+    return Identity(os.getuid(), os.getgid(), os.getgroups(), os.environ["HOME"], tempfile.gettempdir(), refused,
+                    ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))
 
 
-def background_job() -> int:
-    """Leaves a process in its own session that would outlive the rank; returns its pid."""
+def background_job(leader_exits: bool = False) -> int:
+    """Leaves a process in its own session that would outlive the rank; returns its pid. leader_exits: its first
+    thread ends (the exit system call, not the process's), another runs on: the process reads as a zombie."""
     r, w = os.pipe()
     if os.fork() == 0:
         os.setsid()
         if (pid := os.fork()) == 0:
+            if leader_exits:
+                import ctypes
+                import threading
+
+                threading.Thread(target=time.sleep, args=(600,)).start()
+                ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[os.uname().machine], 0)  # SYS_exit
             time.sleep(600)
             os._exit(0)
         os.write(w, str(pid).encode())
@@ -266,6 +278,7 @@ def test_sandboxed_ranks_run_unprivileged(ranks, tmp_path):
     assert identity.home.startswith(str(ranks.sandboxed.private.root)) and \
         identity.tmp.startswith(str(ranks.sandboxed.private.root)), identity
     assert sorted(identity.refused) == sorted(reads + writes), identity
+    assert identity.dumpable == (0 if sandbox.wanted() else 1), identity  # a pool beside it cannot read its memory
     assert digest_tree(*protected(), private) == before
 
 
@@ -308,12 +321,16 @@ def test_a_folder_closed_between_jobs_is_passable_again(ranks):
 
 
 @as_root
-def test_background_process_does_not_outlive_its_pool():
+@pytest.mark.parametrize("leader_exits", [False, True])
+def test_background_process_does_not_outlive_its_pool(leader_exits):
+    """A process a rank left in its own session is killed when the pool closes, one whose first thread ended while
+    another runs on (it reads as a zombie) too."""
     pool = RankPool(2, role="sandboxed")
-    left = pool.run(background_job, timeout=60)
-    assert all(psutil.pid_exists(pid) for pid in left)
+    left = pool.run(background_job, leader_exits, timeout=60)
+    time.sleep(0.5)  # the first thread's exit
+    assert all(psutil.pid_exists(pid) and sandbox.any_thread_runs(pid) for pid in left)
     pool.close()
-    assert not [pid for pid in left if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not [pid for pid in left if psutil.pid_exists(pid) and sandbox.any_thread_runs(pid)]
     assert not sandbox_processes(), sandbox_processes()
 
 

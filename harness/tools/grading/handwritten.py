@@ -211,7 +211,7 @@ ADVICE = {
                     "an FSDP's tensors are plain tensors and nn.Parameter: work on the parameters and buffers you "
                     "make with torch.empty and nn.Parameter"),
     # Storage outside torch's CPU allocator, which the graded memory check counts (harness/memory.py).
-    **dict.fromkeys(("share_memory_", "from_file", "_share_filename_", "_share_fd_", "_new_shared",
+    **dict.fromkeys(("share_memory_", "share_memory", "from_file", "_share_filename_", "_share_fd_", "_new_shared",
                      "_new_shared_filename", "_new_shared_fd", "frombuffer", "asarray", "from_buffer",
                      "from_dlpack", "bytearray", "memoryview"),
                     "allocate with torch's ordinary allocator (torch.empty, new_zeros...): the graded memory "

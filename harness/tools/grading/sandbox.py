@@ -283,10 +283,11 @@ def enter(private: Private) -> None:
     # PR_SET_NO_NEW_PRIVS: no setuid program (su, sudo) gives privileges back
     if libc.prctl(38, 1, 0, 0, 0) != 0:
         raise SandboxError("prctl(PR_SET_NO_NEW_PRIVS) failed")
-    # PR_SET_DUMPABLE: changing user made /proc/self root's; the rank resets its own peak RSS there
-    # (/proc/self/clear_refs, harness/compat.py)
-    if libc.prctl(4, 1, 0, 0, 0) != 0:
-        raise SandboxError("prctl(PR_SET_DUMPABLE) failed")
+    # Not dumpable (PR_GET_DUMPABLE), as changing user left it: a process of the same user, a pool of another
+    # grading on this machine, can neither trace it nor read its memory (harness/compat.py's reset_peak_rss makes it
+    # dumpable only while it writes its own /proc/self/clear_refs)
+    if libc.prctl(3, 0, 0, 0, 0) != 0:
+        raise SandboxError(f"a rank became {USER} and stayed dumpable")
     kept = environment(os.environ, private)
     os.environ.clear()
     os.environ.update(kept)
@@ -351,12 +352,30 @@ def _sandboxed(uid: int) -> dict[int, int]:
 
     out = {}
     for p in psutil.process_iter(["pid", "ppid", "uids", "status"]):
-        try:  # a zombie is dead already: its parent has yet to reap it
-            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE:
+        try:  # a zombie is dead already, its parent has yet to reap it: unless a thread of it still runs
+            if p.info["uids"] and p.info["uids"].real == uid and (p.info["status"] != psutil.STATUS_ZOMBIE
+                                                                 or any_thread_runs(p.info["pid"])):
                 out[p.info["pid"]] = p.info["ppid"]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
+
+
+def any_thread_runs(pid: int) -> bool:
+    """Whether a thread of a process reads as other than dead (a process whose first thread ended while another
+    runs on reads as a zombie: the sweep must kill it all the same)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            state = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            return True
+    return False
 
 
 def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
