@@ -695,7 +695,7 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
     view's), through arithmetic, and adds up where data of two meet; a read of a leaf's parameters names the numbers
     its bytes hold, and NONE_GATHERED where some hold none (zero_, a tensor made from a list). A write through a
     strided view numbers only the bytes it writes, a tensor of another class without a dispatch of its own is followed
-    as any, and bytes moved where no op shows it (a storage resized) hold nothing gathered."""
+    as any, and bytes a resize moves take their numbers with them and leave none where they were."""
     import torch
     import torch.nn as nn
 
@@ -736,9 +736,16 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         other.copy_(second[:16].view(4, 4))  # through a tensor of another class
         through = log.sources.held(weight)
         moved = first.clone()
-        moved.untyped_storage().resize_(moved.untyped_storage().nbytes() * 4)  # its bytes copied where no op shows
+        storage, left = moved.untyped_storage(), moved.data_ptr()
+        storage.resize_(storage.nbytes() * 64)  # its bytes copied into new memory where no op shows it
         resized = log.sources.held(moved[:32])
-    assert (strided, mixed, through, resized) == ({1, 2}, {none, 1}, {2}, {none}), (strided, mixed, through, resized)
+        behind = [span for span in log.sources.spans if span[3] == storage._cdata and left <= span[0] < left + 128]
+        grown = second.clone()
+        grown.resize_(1 << 16)  # a tensor's resize_, growing its storage
+        grew = log.sources.held(grown[:32])
+    assert moved.data_ptr() != left and grown.data_ptr() != second.data_ptr()
+    assert (strided, mixed, through, resized, behind, grew) == ({1, 2}, {none, 1}, {2}, {1}, [], {2}), \
+        (strided, mixed, through, resized, behind, grew)
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     names = [e["name"] for e in sorted(json.loads((tmp_path / "t.json").read_text())["traceEvents"],
                                        key=lambda e: e.get("ts", 0)) if e.get("ph") == "X"]

@@ -190,8 +190,13 @@ def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
 # (checks.assert_parameters_gathered). Bytes are followed by address, each run of a strided tensor's for itself (a
 # write through a strided view, an all-gather's included, numbers only the bytes it writes; one in more runs than
 # are followed adds its numbers to what each byte held, and NONE_GATHERED where it held none); and by storage: what
-# a storage's bytes hold is what was written through that storage (the same memory freed and allocated again, or
-# moved where no op shows it, `untyped_storage().resize_()`, holds nothing gathered until written).
+# a storage's bytes hold is what was written through that storage (the same memory freed and allocated again for
+# another holds nothing gathered until written), and bytes a resize moves (`untyped_storage().resize_()`, through
+# its gate, or a tensor's `resize_`) take their numbers with them and leave none behind (a storage moved away and
+# back again finds nothing it held before). An op that writes part of a tensor (index_copy_, index_put_,
+# masked_scatter_) keeps what the rest held: into fresh memory, NONE_GATHERED.
+
+
 class Sources:
     """The all-gathers whose data each byte range of memory holds, and the model's leaves' parameters (see [Note:
     where the model's parameters came from]): one rank's, under a drawn mark."""
@@ -258,6 +263,32 @@ class Sources:
         else:  # which of its bytes it wrote is not followed: each may hold what it held, or these
             for a, b, old in self._held(*extent, storage):
                 self._replace(a, b, old | numbers, storage)
+
+    def moving(self, storage, run):
+        """Run what may move a storage's bytes (`run()`: a resize, which copies what fits into new memory): the
+        numbers its bytes held move with them; none stay where they were."""
+        before, size, key = storage.data_ptr(), storage.nbytes(), storage._cdata
+        out = run()
+        after, now = storage.data_ptr(), storage.nbytes()
+        if (after, now) != (before, size) and size and self.spans:
+            i, j = self._overlapping(before, before + size)
+            kept = [(s - before, e - before, numbers) for s, e, numbers, by in self.spans[i:j] if by == key]
+            for s, e, numbers, by in self.spans[i:j]:
+                if by == key:
+                    self._replace(s, e, _NONE, key)
+            for s, e, numbers in kept:
+                if after and s < now:
+                    self._replace(after + max(s, 0), after + min(e, now), numbers, key)
+        return out
+
+    def resizing(self, plain):
+        """UntypedStorage.resize_ as `moving` runs it (through its gate: schedule's [Note: gates put in place before
+        the file])."""
+        def resize(storage, *args, **kwargs):
+            if not isinstance(storage, torch.UntypedStorage):
+                return plain(storage, *args, **kwargs)
+            return self.moving(storage, lambda: plain(storage, *args, **kwargs))
+        return resize
 
     def gathered(self, outputs: list[torch.Tensor]) -> None:
         """An all-gather issued, writing `outputs`: numbered, in the trace and in memory."""
@@ -333,6 +364,8 @@ _NONE: frozenset = frozenset()
 _UNGATHERED = frozenset((NONE_GATHERED,))
 READ, WRITTEN, OVERWRITTEN = "read", "written", "overwritten"
 _OVERWRITE = {getattr(torch.ops.aten, n) for n in ("copy_", "fill_", "zero_") if hasattr(torch.ops.aten, n)}
+_RESIZING = {getattr(torch.ops.aten, n) for n in ("resize_", "resize_as_") if hasattr(torch.ops.aten, n)}
+"""tensor ops that may move their storage's bytes (growing it)."""
 """in-place ops whose first argument's bytes are all written and none read."""
 
 
@@ -370,7 +403,10 @@ class CommLog(TorchDispatchMode):
 
         # Through the gates, as the marks: a method a file kept from before still tells the log (schedule's
         # [Note: gates put in place before the file]). Not is_completed(): see the Note above.
-        self._routing = routed({f"Work.{name}": waiting(name) for name in WORK_WAITS if name != "is_completed"})
+        routes = {f"Work.{name}": waiting(name) for name in WORK_WAITS if name != "is_completed"}
+        if self.sources is not None:
+            routes["UntypedStorage.resize_"] = self.sources.resizing(current("UntypedStorage.resize_"))
+        self._routing = routed(routes)
         self._routing.__enter__()
         try:
             return super().__enter__()
@@ -442,6 +478,8 @@ class CommLog(TorchDispatchMode):
                         "(read before, it may not be there yet; polled until it is, it is a wait the overlap check "
                         "cannot see)")
                     break
+        if self.sources is not None and func.overloadpacket in _RESIZING and isinstance(args[0], torch.Tensor):
+            return self.sources.moving(args[0].untyped_storage(), lambda: func(*args, **kwargs))
         if self.sources is not None and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
             return self.sources.ran(func, args, kwargs, lambda: func(*args, **kwargs))
         return func(*args, **kwargs)
