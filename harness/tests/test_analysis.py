@@ -748,12 +748,15 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         storage.resize_(storage.nbytes() * 64)  # its bytes copied into new memory where no op shows it
         resized = log.sources.held(moved[:32])
         behind = [span for span in log.sources.spans if span[3] == storage._cdata and left <= span[0] < left + 128]
+        lifted = first[:8].clone()
+        torch.ops.aten.lift_fresh(lifted)  # what torch.tensor(values) runs on its new memory: whatever was there is gone
+        fresh = log.sources.held(lifted)
         grown = second.clone()
         grown.resize_(1 << 16)  # a tensor's resize_, growing its storage
         grew = log.sources.held(grown[:32])
     assert moved.data_ptr() != left and grown.data_ptr() != second.data_ptr()
-    assert (strided, mixed, through, resized, behind, grew) == ({1, 2}, {none, 1}, {2}, {1}, [], {2}), \
-        (strided, mixed, through, resized, behind, grew)
+    assert (strided, mixed, through, resized, behind, grew, fresh) == ({1, 2}, {none, 1}, {2}, {1}, [], {2}, {none}), \
+        (strided, mixed, through, resized, behind, grew, fresh)
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     names = [e["name"] for e in sorted(json.loads((tmp_path / "t.json").read_text())["traceEvents"],
                                        key=lambda e: e.get("ts", 0)) if e.get("ph") == "X"]

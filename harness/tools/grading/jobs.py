@@ -364,6 +364,11 @@ _NONE: frozenset = frozenset()
 _UNGATHERED = frozenset((NONE_GATHERED,))
 READ, WRITTEN, OVERWRITTEN = "read", "written", "overwritten"
 _OVERWRITE = {getattr(torch.ops.aten, n) for n in ("copy_", "fill_", "zero_") if hasattr(torch.ops.aten, n)}
+_FRESH = {getattr(torch.ops.aten, n) for n in (
+    "lift_fresh", "lift_fresh_copy", "empty_like", "full_like", "rand_like", "randn_like", "randint_like", "new_empty",
+    "new_full", "new_empty_strided") if hasattr(torch.ops.aten, n)}
+"""ops that return new memory the collective log does not otherwise see written: `torch.tensor(values)` (its
+`lift_fresh`), and the shape-only factories (filled inside, or not at all)."""
 _RESIZING = {getattr(torch.ops.aten, n) for n in ("resize_", "resize_as_") if hasattr(torch.ops.aten, n)}
 """tensor ops that may move their storage's bytes (growing it)."""
 """in-place ops whose first argument's bytes are all written and none read."""
@@ -478,6 +483,13 @@ class CommLog(TorchDispatchMode):
                         "(read before, it may not be there yet; polled until it is, it is a wait the overlap check "
                         "cannot see)")
                     break
+        if self.sources is not None and func.overloadpacket in _FRESH:
+            # new memory (a factory, or a tensor made from Python values): whatever a storage freed there held is gone
+            out = func(*args, **kwargs)
+            for t in _tensors(out):
+                if _followed(t):
+                    self.sources.write(t, _NONE)
+            return out
         if self.sources is not None and func.overloadpacket in _RESIZING and isinstance(args[0], torch.Tensor):
             return self.sources.moving(args[0].untyped_storage(), lambda: func(*args, **kwargs))
         if self.sources is not None and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
