@@ -363,18 +363,19 @@ def _sandboxed(uid: int) -> dict[int, int]:
 
 def any_thread_runs(pid: int) -> bool:
     """Whether a thread of a process reads as other than dead (a process whose first thread ended while another
-    runs on reads as a zombie: the sweep must kill it all the same)."""
+    runs on reads as a zombie: the sweep must kill it all the same). Through psutil, as every platform offers it."""
+    import psutil
+
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
+        threads = psutil.Process(pid).threads()
+    except psutil.Error:
         return False
-    for task in tasks:
+    for thread in threads:
         try:
-            state = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+            if psutil.Process(thread.id).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return True
+        except psutil.Error:
             continue
-        if state not in ("Z", "X"):
-            return True
     return False
 
 
