@@ -343,12 +343,11 @@ class Sources:
                 read.extend(tensors)
         numbers = _NONE
         for t in read:
-            numbers = numbers | self.held(t)
-        if self.params:
-            for t in read:
-                if self._a_parameter(t):
-                    with torch.profiler.record_function(read_tag(self.mark, self.held(t))):
-                        pass
+            held = self.held(t)
+            numbers = numbers | held
+            if self.params and self._a_parameter(t):
+                with torch.profiler.record_function(read_tag(self.mark, held)):
+                    pass
         out = run()
         for t in written:
             self.write(t, numbers)
