@@ -703,7 +703,9 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
     view's), through arithmetic, and adds up where data of two meet; a read of a leaf's parameters names the numbers
     its bytes hold, and NONE_GATHERED where some hold none (zero_, a tensor made from a list). A write through a
     strided view numbers only the bytes it writes, a tensor of another class without a dispatch of its own is followed
-    as any, and bytes a resize moves take their numbers with them and leave none where they were."""
+    as any, and bytes a resize moves take their numbers with them and leave none where they were. Constants (zeros)
+    beside gathered data are that data; a write through an index that sets every element is a copy-out, one that sets
+    some keeps what the rest held."""
     import torch
     import torch.nn as nn
 
@@ -737,8 +739,16 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         weight.copy_(first[:16].view(4, 4))
         weight.view(-1)[::15].copy_(second[:2])  # two elements, the first and the last: the rest holds 1 still
         strided = log.sources.held(weight)
-        weight.copy_(torch.zeros(4, 4) * first[:1])  # a sum with one gathered number: zeros hold none
+        weight.copy_(torch.empty(4, 4) + first[:16].view(4, 4))  # fresh memory holds what was there: none gathered
         mixed = log.sources.held(weight)
+        weight.copy_(torch.zeros(4, 4) * first[:1])  # constants beside one gathered number: that number's data
+        zeros = log.sources.held(weight)
+        flat = torch.empty(16)
+        flat.index_copy_(0, torch.arange(16), second[:16])  # every element written through an index: a copy-out
+        indexed = log.sources.held(flat)
+        flat = torch.empty(16)
+        flat[torch.arange(8)] = second[:8]  # half of them: the rest holds what fresh memory held
+        partly = log.sources.held(flat)
         other = nn.parameter.UninitializedBuffer()
         other.data = weight
         other.copy_(second[:16].view(4, 4))  # through a tensor of another class
@@ -747,7 +757,7 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         storage, left = moved.untyped_storage(), moved.data_ptr()
         storage.resize_(storage.nbytes() * 64)  # its bytes copied into new memory where no op shows it
         resized = log.sources.held(moved[:32])
-        behind = [span for span in log.sources.spans if span[3] == storage._cdata and left <= span[0] < left + 128]
+        behind = [span for span in log.sources.spans if span[3] == log.sources._token(storage) and left <= span[0] < left + 128]
         lifted = first[:8].clone()
         torch.ops.aten.lift_fresh(lifted)  # what torch.tensor(values) runs on its new memory: whatever was there is gone
         fresh = log.sources.held(lifted)
@@ -755,8 +765,9 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         grown.resize_(1 << 16)  # a tensor's resize_, growing its storage
         grew = log.sources.held(grown[:32])
     assert moved.data_ptr() != left and grown.data_ptr() != second.data_ptr()
-    assert (strided, mixed, through, resized, behind, grew, fresh) == ({1, 2}, {none, 1}, {2}, {1}, [], {2}, {none}), \
-        (strided, mixed, through, resized, behind, grew, fresh)
+    assert (strided, mixed, zeros, indexed, partly, through, resized, behind, grew, fresh) == \
+        ({1, 2}, {none, 1}, {1}, {2}, {none, 2}, {2}, {1}, [], {2}, {none}), \
+        (strided, mixed, zeros, indexed, partly, through, resized, behind, grew, fresh)
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     names = [e["name"] for e in sorted(json.loads((tmp_path / "t.json").read_text())["traceEvents"],
                                        key=lambda e: e.get("ts", 0)) if e.get("ph") == "X"]
@@ -766,6 +777,33 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         tag(1), tag(1, 2), tag(none), tag(none), tag(1), tag(1, 2)]
     assert [n for n in names if n.startswith(mark + schedule.GATHER_TAG)] == [
         schedule.gather_tag(mark, 1), schedule.gather_tag(mark, 2)]
+
+
+def test_a_storage_made_again_on_the_same_memory_holds_nothing_gathered():
+    """What a storage's bytes held dies with it: a storage made where no op the log sees made it (torch.frombuffer
+    here; torch.UntypedStorage(n) as well), on the same memory and at the same StorageImpl address as one that died,
+    holds no all-gather's data."""
+    import torch
+
+    from harness.tools.grading.jobs import CommLog
+
+    log = CommLog("## model compute 5 ##")
+    memory = bytearray(4096)  # outlives the storages made on it
+    gathered, kept = torch.arange(1024.0), torch.frombuffer(memory, dtype=torch.float32)
+    with log:
+        log.sources.gathered([gathered])
+        kept.copy_(gathered)
+    key, at, first = kept.untyped_storage()._cdata, kept.data_ptr(), log.sources.held(kept)
+    del kept
+    seen = []
+    for _ in range(100):  # until a new StorageImpl takes the dead one's address (at once, on most allocators)
+        again = torch.frombuffer(memory, dtype=torch.float32)
+        assert again.data_ptr() == at
+        seen.append((again.untyped_storage()._cdata == key, log.sources.held(again)))
+        if seen[-1][0]:
+            break
+        del again
+    assert first == {1} and all(held == {schedule.NONE_GATHERED} for _, held in seen), (first, seen)
 
 
 def test_a_parameter_holds_its_own_groups_gathered_data():

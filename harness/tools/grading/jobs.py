@@ -181,7 +181,9 @@ def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
 # the data is followed: each all-gather is numbered where it is issued (a range `gather_tag` names, inside the
 # c10d op), and the bytes every op writes carry the numbers of the all-gathers whose data the op read (a copy-out,
 # a cast, a view's reshaping copy, a sum with them), or NONE_GATHERED where it read bytes that hold no all-gather's
-# data (a fresh tensor, a copy from elsewhere: an op that reads none writes none). Where an op reads the parameters
+# data (a fresh tensor, a copy from elsewhere: an op that reads none writes none). Constants (CONSTANT: what zeros,
+# arange or fill_ make from a number or two) are no memory's data: beside an all-gather's, they are nothing (a sum of
+# zeros and a copy-out holds the copy-out's), alone, nothing gathered. Where an op reads the parameters
 # of one of the model's leaves (as the model last called it: `marked_compute` tells), a range (`read_tag`) says
 # which all-gathers' data its bytes hold; the analysis (schedule.parameter_reads) takes the leaf from the compute
 # the read is in (the leaf's marked forward, or a node of its ops), ties each number to the collective it was
@@ -193,8 +195,11 @@ def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
 # a storage's bytes hold is what was written through that storage (the same memory freed and allocated again for
 # another holds nothing gathered until written), and bytes a resize moves (`untyped_storage().resize_()`, through
 # its gate, or a tensor's `resize_`) take their numbers with them and leave none behind (a storage moved away and
-# back again finds nothing it held before). An op that writes part of a tensor (index_copy_, index_put_,
-# masked_scatter_) keeps what the rest held: into fresh memory, NONE_GATHERED.
+# back again finds nothing it held before). What a storage wrote dies with it: spans name the storage by a token
+# its Python object keeps (`_token`), so a StorageImpl made again at a dead one's address, by a way no op shows,
+# holds nothing. An op that writes part of a tensor (index_copy_, index_put_, masked_scatter_) keeps what the rest
+# held: into fresh memory, NONE_GATHERED; index_copy_ and index_put_ through an index that sets every element are
+# copy-outs (`_sets_every_element`).
 
 
 class Sources:
@@ -207,7 +212,21 @@ class Sources:
         self.starts: list[int] = []  # sorted, ranges not overlapping
         self.spans: list[tuple[int, int, frozenset, int]] = []  # (start, end, numbers, the storage that wrote them)
         self.params: dict[int, list[weakref.ref]] = {}  # storage -> the leaves' parameters on it
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}  # StorageImpl address -> (its storage, its token)
+        self._tokens = 0
         self._layouts: dict = {}
+
+    def _token(self, storage: torch.UntypedStorage) -> int:
+        """A live storage's token, which spans name as the storage that wrote them. A storage's Python object lives
+        as long as its StorageImpl does, so a StorageImpl freed and another made at its address (by a way no op
+        shows: `torch.UntypedStorage(n)`, a factory run inside another op) gets a new token, and nothing the first's
+        bytes held."""
+        key = storage._cdata
+        if (found := self._storages.get(key)) is not None and found[0]() is storage:
+            return found[1]
+        self._tokens += 1
+        self._storages[key] = (weakref.ref(storage), self._tokens)
+        return self._tokens
 
     def _overlapping(self, a: int, b: int) -> tuple[int, int]:
         i = bisect.bisect_right(self.starts, a) - 1
@@ -237,7 +256,7 @@ class Sources:
             return _NONE
         if not self.spans:
             return _UNGATHERED
-        storage = t.untyped_storage()._cdata
+        storage = self._token(t.untyped_storage())
         return _NONE.union(*(numbers for a, b in runs for _, _, numbers in self._held(a, b, storage)))
 
     def _replace(self, a: int, b: int, numbers: frozenset, storage: int) -> None:
@@ -256,18 +275,18 @@ class Sources:
         """`t`'s bytes now hold those all-gathers' data (none: what was there is gone)."""
         if not self.spans and numbers in (_NONE, _UNGATHERED) or not (extent := _extent(t)):
             return
-        storage = t.untyped_storage()._cdata
+        storage = self._token(t.untyped_storage())
         if (runs := _runs(t)) is not None:
             for a, b in runs:
                 self._replace(a, b, numbers, storage)
         else:  # which of its bytes it wrote is not followed: each may hold what it held, or these
             for a, b, old in self._held(*extent, storage):
-                self._replace(a, b, old | numbers, storage)
+                self._replace(a, b, _joined(old | numbers), storage)
 
     def moving(self, storage, run):
         """Run what may move a storage's bytes (`run()`: a resize, which copies what fits into new memory): the
         numbers its bytes held move with them; none stay where they were."""
-        before, size, key = storage.data_ptr(), storage.nbytes(), storage._cdata
+        before, size, key = storage.data_ptr(), storage.nbytes(), self._token(storage)
         out = run()
         after, now = storage.data_ptr(), storage.nbytes()
         if (after, now) != (before, size) and size and self.spans:
@@ -332,22 +351,26 @@ class Sources:
         """Run an op (`run()`), the numbers its inputs' bytes hold written to its outputs', and its reads of the
         model's leaves' parameters marked in the trace."""
         written, read = [], []
+        whole = func.overloadpacket in _INDEXED and _sets_every_element(func, args, kwargs)
         for i, name, kwarg_only, how in self._arguments(func):
             value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
-            if value is None:
-                continue
+            if value is None or whole and i == 0 and how is READ:
+                continue  # (an out-of-place indexed write that sets every element reads nothing of its first argument)
+            if whole and i == 0:
+                how = OVERWRITTEN
             tensors = [t for t in ((value,) if isinstance(value, torch.Tensor) else _tensors(value)) if _followed(t)]
             if how is not READ:
                 written.extend(tensors)
             if how is not OVERWRITTEN:
                 read.extend(tensors)
-        numbers = _NONE
+        numbers = _CONSTANT if func in _FILLS else _NONE
         for t in read:
             held = self.held(t)
             numbers = numbers | held
             if self.params and self._a_parameter(t):
-                with torch.profiler.record_function(read_tag(self.mark, held)):
+                with torch.profiler.record_function(read_tag(self.mark, _gathered(held))):
                     pass
+        numbers = _joined(numbers)
         out = run()
         for t in written:
             self.write(t, numbers)
@@ -361,16 +384,59 @@ class Sources:
 
 _NONE: frozenset = frozenset()
 _UNGATHERED = frozenset((NONE_GATHERED,))
+CONSTANT = -1
+"""what bytes hold that a factory made from no memory (zeros, arange, full) or fill_ or zero_ wrote: no data of any
+all-gather's, nor any other memory's; beside an all-gather's data, nothing (a sum of zeros and a copy-out)."""
+_CONSTANT = frozenset((CONSTANT,))
+
+
+def _joined(numbers: frozenset) -> frozenset:
+    """What bytes made from these sources hold: constants beside data are nothing."""
+    return numbers - _CONSTANT if CONSTANT in numbers and len(numbers) > 1 else numbers
+
+
+def _gathered(held: frozenset) -> frozenset:
+    """A read's numbers as `read_tag` names them: constants alone, NONE_GATHERED (no all-gather brought them)."""
+    held = _joined(held)
+    return _UNGATHERED if held == _CONSTANT else held
+
 READ, WRITTEN, OVERWRITTEN = "read", "written", "overwritten"
 _OVERWRITE = {getattr(torch.ops.aten, n) for n in ("copy_", "fill_", "zero_") if hasattr(torch.ops.aten, n)}
+"""in-place ops whose first argument's bytes are all written and none read."""
+_FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
+"""in-place ops that write constants (`CONSTANT`): one number given to them."""
 _FRESH = {getattr(torch.ops.aten, n) for n in (
-    "lift_fresh", "lift_fresh_copy", "empty_like", "full_like", "rand_like", "randn_like", "randint_like", "new_empty",
-    "new_full", "new_empty_strided") if hasattr(torch.ops.aten, n)}
+    "lift_fresh", "lift_fresh_copy", "empty_like", "rand_like", "randn_like", "randint_like", "new_empty",
+    "new_empty_strided") if hasattr(torch.ops.aten, n)}
 """ops that return new memory the collective log does not otherwise see written: `torch.tensor(values)` (its
-`lift_fresh`), and the shape-only factories (filled inside, or not at all)."""
+`lift_fresh`), and the shape-only factories that leave it as it was or fill it at random."""
+_MADE = {getattr(torch.ops.aten, n) for n in (
+    "zeros", "ones", "full", "arange", "eye", "linspace", "scalar_tensor", "zeros_like", "ones_like", "full_like",
+    "new_zeros", "new_ones", "new_full") if hasattr(torch.ops.aten, n)}
+"""factories whose new memory holds constants (`CONSTANT`): values a few numbers given to them make."""
 _RESIZING = {getattr(torch.ops.aten, n) for n in ("resize_", "resize_as_") if hasattr(torch.ops.aten, n)}
 """tensor ops that may move their storage's bytes (growing it)."""
-"""in-place ops whose first argument's bytes are all written and none read."""
+_INDEXED = {torch.ops.aten.index_copy_, torch.ops.aten.index_copy, torch.ops.aten.index_put_, torch.ops.aten.index_put}
+"""ops that write their first argument's elements at an index (a copy-out through one): partly, or every one."""
+
+
+def _sets_every_element(func, args, kwargs) -> bool:
+    """Whether an indexed write (`_INDEXED`) sets every element of its first argument from the others: then nothing
+    that argument held survives it, as after a copy_. Told by writing True through the same index into a mask."""
+    self = args[0]
+    if not isinstance(self, torch.Tensor) or self.numel() == 0:
+        return False
+    hit = torch.zeros(self.shape, dtype=torch.bool, device=self.device)
+    try:
+        if func.overloadpacket in (torch.ops.aten.index_copy_, torch.ops.aten.index_copy):  # (self, dim, index, source)
+            hit.index_fill_(args[1], args[2], True)
+        elif args[3] if len(args) > 3 else kwargs.get("accumulate", False):  # (self, indices, values, accumulate)
+            return False  # a sum with what was there
+        else:
+            hit.index_put_(args[1], torch.ones((), dtype=torch.bool, device=self.device))
+    except (RuntimeError, IndexError, TypeError):
+        return False  # not an index the op takes: it says so itself
+    return bool(hit.all())
 
 
 class CommLog(TorchDispatchMode):
@@ -482,12 +548,12 @@ class CommLog(TorchDispatchMode):
                         "(read before, it may not be there yet; polled until it is, it is a wait the overlap check "
                         "cannot see)")
                     break
-        if self.sources is not None and func.overloadpacket in _FRESH:
+        if self.sources is not None and (func.overloadpacket in _MADE or func.overloadpacket in _FRESH):
             # new memory (a factory, or a tensor made from Python values): whatever a storage freed there held is gone
             out = func(*args, **kwargs)
             for t in _tensors(out):
                 if _followed(t):
-                    self.sources.write(t, _NONE)
+                    self.sources.write(t, _CONSTANT if func.overloadpacket in _MADE else _NONE)
             return out
         if self.sources is not None and func.overloadpacket in _RESIZING and isinstance(args[0], torch.Tensor):
             return self.sources.moving(args[0].untyped_storage(), lambda: func(*args, **kwargs))

@@ -410,13 +410,21 @@ def compute_ops(on: list[dict], fsdp: list, c10d: list, mark: str | None,
            and not inside(e["ts"], fsdp) and not inside(e["ts"], c10d)]
     if mark is None:
         return sorted((e["ts"], None) for e in ops)
-    nodes = linked_nodes(on, mark) if nodes is None else nodes
-    leaves = Ranges((e["ts"], e["ts"] + e["dur"], group_of(marked[0])) for e in on if e.get("cat") == "user_annotation"
+    computing = compute_at(on, mark, linked_nodes(on, mark) if nodes is None else nodes)
+    return sorted((e["ts"], group) for e in ops if (group := computing(e["ts"])) is not None)
+
+
+def compute_at(on: list[dict], mark: str, nodes: dict[int, str], by: Callable[[str], str] = group_of
+               ) -> Callable[[float], str | None]:
+    """On one thread: what computes at a time, `by` the leaf's name (its group, or the leaf itself; `nodes`:
+    `linked_nodes` by the same), inside a leaf's marked forward which is compute or a node of its ops (see [Note:
+    what counts as compute]); None outside both."""
+    leaves = Ranges((e["ts"], e["ts"] + e["dur"], by(marked[0])) for e in on if e.get("cat") == "user_annotation"
                     and (marked := marked_leaf(e["name"], mark)) and marked[1])
     backward = Ranges((e["ts"], e["ts"] + e["dur"], nodes[n]) for e in on if e.get("cat") == "cpu_op"
                       and MODEL_BACKWARD.match(e["name"]) and (n := e.get("args", {}).get(SEQUENCE)) in nodes)
     # a leaf's forward recomputed inside a node's (activation checkpointing) is looked up first
-    return sorted((e["ts"], group) for e in ops if (group := leaves.at(e["ts"]) or backward.at(e["ts"])) is not None)
+    return lambda ts: (leaves.at(ts) or backward.at(ts))
 
 
 def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[Scheduled]:
@@ -577,13 +585,9 @@ def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tup
         tags = [e for e in on if e.get("cat") == "user_annotation" and e["name"].startswith(prefix)]
         if not tags:
             continue
-        leaves = Ranges((e["ts"], e["ts"] + e["dur"], marked[0]) for e in on if e.get("cat") == "user_annotation"
-                        and (marked := marked_leaf(e["name"], mark)) and marked[1])
-        backward = Ranges((e["ts"], e["ts"] + e["dur"], nodes[n]) for e in on if e.get("cat") == "cpu_op"
-                          and MODEL_BACKWARD.match(e["name"]) and (n := e.get("args", {}).get(SEQUENCE)) in nodes)
+        computing = compute_at(on, mark, nodes, by=lambda leaf: leaf)
         for e in tags:
-            # a leaf's forward recomputed inside a node's (activation checkpointing) first, as compute_ops
-            if (leaf := leaves.at(e["ts"]) or backward.at(e["ts"])) is None:
+            if (leaf := computing(e["ts"])) is None:
                 continue  # not the model's compute: the FSDP's own copies
             held = e["name"][len(prefix):]
             step, phase, at = t.steps.at(e["ts"]), t.phases.at(e["ts"], OTHER), passes.at(e["ts"])
