@@ -410,10 +410,12 @@ _FRESH = {getattr(torch.ops.aten, n) for n in (
     "new_empty_strided") if hasattr(torch.ops.aten, n)}
 """ops that return new memory the collective log does not otherwise see written: `torch.tensor(values)` (its
 `lift_fresh`), and the shape-only factories that leave it as it was or fill it at random."""
-_MADE = {getattr(torch.ops.aten, n) for n in (
-    "zeros", "ones", "full", "arange", "eye", "linspace", "scalar_tensor", "zeros_like", "ones_like", "full_like",
-    "new_zeros", "new_ones", "new_full") if hasattr(torch.ops.aten, n)}
-"""factories whose new memory holds constants (`CONSTANT`): values a few numbers given to them make."""
+_MADE = {overload for n in ("zeros", "ones", "full", "arange", "eye", "linspace", "scalar_tensor", "zeros_like",
+                             "ones_like", "full_like", "new_zeros", "new_ones", "new_full") if hasattr(torch.ops.aten, n)
+         for overload in (getattr(getattr(torch.ops.aten, n), o) for o in getattr(torch.ops.aten, n).overloads())
+         if {a.name for a in overload._schema.arguments if "Tensor" in str(a.type)} <= {"self", "out"}}
+"""factories whose new memory holds constants (`CONSTANT`): values a few numbers given to them make (a `_like`'s
+tensor gives its shape only; linspace from tensors reads them, as any op)."""
 _RESIZING = {getattr(torch.ops.aten, n) for n in ("resize_", "resize_as_") if hasattr(torch.ops.aten, n)}
 """tensor ops that may move their storage's bytes (growing it)."""
 _INDEXED = {torch.ops.aten.index_copy_, torch.ops.aten.index_copy, torch.ops.aten.index_put_, torch.ops.aten.index_put}
@@ -548,12 +550,12 @@ class CommLog(TorchDispatchMode):
                         "(read before, it may not be there yet; polled until it is, it is a wait the overlap check "
                         "cannot see)")
                     break
-        if self.sources is not None and (func.overloadpacket in _MADE or func.overloadpacket in _FRESH):
+        if self.sources is not None and (func in _MADE or func.overloadpacket in _FRESH):
             # new memory (a factory, or a tensor made from Python values): whatever a storage freed there held is gone
             out = func(*args, **kwargs)
             for t in _tensors(out):
                 if _followed(t):
-                    self.sources.write(t, _CONSTANT if func.overloadpacket in _MADE else _NONE)
+                    self.sources.write(t, _CONSTANT if func in _MADE else _NONE)
             return out
         if self.sources is not None and func.overloadpacket in _RESIZING and isinstance(args[0], torch.Tensor):
             return self.sources.moving(args[0].untyped_storage(), lambda: func(*args, **kwargs))
