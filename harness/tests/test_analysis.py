@@ -743,6 +743,7 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         mixed = log.sources.held(weight)
         weight.copy_(torch.zeros(4, 4) * first[:1])  # constants beside one gathered number: that number's data
         zeros = log.sources.held(weight)
+        spaced = log.sources.held(torch.linspace(first[1], first[2], 16))  # a factory that reads tensors reads them
         flat = torch.empty(16)
         flat.index_copy_(0, torch.arange(16), second[:16])  # every element written through an index: a copy-out
         indexed = log.sources.held(flat)
@@ -765,9 +766,9 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         grown.resize_(1 << 16)  # a tensor's resize_, growing its storage
         grew = log.sources.held(grown[:32])
     assert moved.data_ptr() != left and grown.data_ptr() != second.data_ptr()
-    assert (strided, mixed, zeros, indexed, partly, through, resized, behind, grew, fresh) == \
-        ({1, 2}, {none, 1}, {1}, {2}, {none, 2}, {2}, {1}, [], {2}, {none}), \
-        (strided, mixed, zeros, indexed, partly, through, resized, behind, grew, fresh)
+    assert (strided, mixed, zeros, spaced, indexed, partly, through, resized, behind, grew, fresh) == \
+        ({1, 2}, {none, 1}, {1}, {1}, {2}, {none, 2}, {2}, {1}, [], {2}, {none}), \
+        (strided, mixed, zeros, spaced, indexed, partly, through, resized, behind, grew, fresh)
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     names = [e["name"] for e in sorted(json.loads((tmp_path / "t.json").read_text())["traceEvents"],
                                        key=lambda e: e.get("ts", 0)) if e.get("ph") == "X"]
