@@ -807,16 +807,66 @@ def test_a_storage_made_again_on_the_same_memory_holds_nothing_gathered():
     assert first == {1} and all(held == {schedule.NONE_GATHERED} for _, held in seen), (first, seen)
 
 
+def test_bytes_an_op_moves_take_their_numbers_with_them():
+    """An op that moves a storage inside it (set_ to a size beyond its source's storage, an out= too small) moves the
+    numbers with the bytes and leaves none behind; a storage that lands on memory it held once finds nothing of that
+    there; and what a random generator draws holds no all-gather's data, whatever the tensor it fills held."""
+    import torch
+
+    from harness.tools.grading.jobs import CommLog
+
+    log = CommLog("## model compute 9 ##")
+    none = schedule.NONE_GATHERED
+    with log:
+        first = torch.arange(64.0)
+        log.sources.gathered([first])  # number 1
+        grown = first[:16].clone()
+        key, left = log.sources._token(grown.untyped_storage()), grown.data_ptr()
+        wide = torch.empty(0).set_(grown, 0, (1 << 14,), (1,))  # grows grown's storage: its bytes move
+        behind_set = [span for span in log.sources.spans if span[3] == key and left <= span[0] < left + 64]
+        moved_by_set = log.sources.held(wide[:16])
+        out = first[:8].clone()
+        key, left = log.sources._token(out.untyped_storage()), out.data_ptr()
+        torch.add(torch.zeros(1 << 14), 1, out=out)  # resized inside the op: no op shows its bytes moving
+        behind_out = [span for span in log.sources.spans if span[3] == key and left <= span[0] < left + 32]
+        drawn = log.sources.held(torch.zeros(16).random_())
+        redrawn = log.sources.held(first[:16].clone().random_())
+
+    class Storage:  # one whose run moves its bytes back to memory it held once
+        _cdata, at, size = 1, 1 << 20, 64
+
+        def data_ptr(self):
+            return self.at
+
+        def nbytes(self):
+            return self.size
+
+    sources, storage = log.sources, Storage()
+    key = sources._token(storage)
+    sources._replace(1 << 20, (1 << 20) + 32, frozenset({1}), key)  # its first 32 bytes hold 1's data
+    sources._replace(1 << 21, (1 << 21) + 64, frozenset({2}), key)  # 2's, where it was before
+    sources.moving((storage,), lambda: setattr(storage, "at", 1 << 21))
+    landed = [numbers for _, _, numbers in sources._held(1 << 21, (1 << 21) + 64, key)]
+    assert (behind_set, moved_by_set, behind_out, drawn, landed) == ([], {1}, [], {none}, [{1}, {none}]), \
+        (behind_set, moved_by_set, behind_out, drawn, landed)
+    assert none in redrawn
+
+
 def test_a_parameter_holds_its_own_groups_gathered_data():
     """The graded check of the reads above: each read of a leaf's parameters in the phase held data of its own group's
-    all-gathers only, and from the passes FSDP2's did (a block kept from forward is not backward's all-gather)."""
+    all-gathers only, and in each pass of each step as many reads as FSDP2's held data from the passes FSDP2's did (a
+    block kept from forward is not backward's all-gather; a pass whose reads the log did not see, memory put in the
+    parameters' place after the leaf's forward, is not one whose data is known)."""
     from types import SimpleNamespace
 
     from harness.tools.grading import checks
 
     this = schedule.THIS_PASS
-    fsdp2 = [(1, "forward", "layers.0.attention.wq", (("layers.0", "forward", this),)),
-             (1, "backward", "layers.0.attention.wq", (("layers.0", "backward", this),))]
+    wq = "layers.0.attention.wq"
+    forward, backward = (1, "forward", 0, wq, (("layers.0", "forward", this),)), \
+        (1, "backward", 0, wq, (("layers.0", "backward", this),))
+    second = (1, "backward", 1, wq, (("layers.0", "backward", this),))
+    fsdp2 = [forward, backward, second, second]
 
     def judged(*reads, phase="forward"):
         checks.assert_parameters_gathered(SimpleNamespace(what="w", fsdp2=SimpleNamespace(reads=[fsdp2]),
@@ -824,7 +874,6 @@ def test_a_parameter_holds_its_own_groups_gathered_data():
 
     judged(*fsdp2)
     judged(*fsdp2, phase="backward")
-    wq = "layers.0.attention.wq"
     for sources, message in (
             ((), r"rank 0, step 1, forward: layers\.0\.attention\.wq's parameters, as the model read them, held "
                  r"bytes that no all-gather brought"),
@@ -833,14 +882,22 @@ def test_a_parameter_holds_its_own_groups_gathered_data():
             (((None, "", ""),), r"issued as no group's \(outside the groups' ranges, or before the profiled steps\)"),
     ):
         with pytest.raises(AssertionError, match=message):
-            judged((1, "forward", wq, sources))
-    with pytest.raises(AssertionError, match=r"rank 0, backward: layers\.0\.attention\.wq's parameters, as the model read them, held "
-                                             r"data of the all-gathers of forward's \(an earlier pass of this step\); "
-                                             r"under FSDP2 of backward's \(this pass\)"):
-        judged((1, "backward", wq, (("layers.0", "forward", schedule.EARLIER_PASS),)), phase="backward")
-    with pytest.raises(AssertionError, match=r"layers\.0\.attention\.wq's parameters, as the model read them, held data of the "
-                                             r"all-gathers of none; under FSDP2 of forward's \(this pass\)"):
+            judged((1, "forward", 0, wq, sources))
+    with pytest.raises(AssertionError, match=r"rank 0, step 1, backward pass 1: layers\.0\.attention\.wq's parameters, "
+                                             r"as the model read them, held data of the all-gathers of forward's \(an "
+                                             r"earlier pass of this step\) in 1 read; under FSDP2 of backward's \(this "
+                                             r"pass\) in 1 read"):
+        judged((1, "backward", 0, wq, (("layers.0", "forward", schedule.EARLIER_PASS),)), second, second,
+               phase="backward")
+    with pytest.raises(AssertionError, match=r"step 1, forward pass 1: layers\.0\.attention\.wq's parameters, as the "
+                                             r"model read them, held data of the all-gathers of none in 0 reads; under "
+                                             r"FSDP2 of forward's \(this pass\) in 1 read"):
         judged(phase="forward")
+    # the second backward pass read one of its two reads through memory the log did not see: the first pass's
+    # honest reads do not stand for it
+    with pytest.raises(AssertionError, match=r"step 1, backward pass 2: .* in 1 read; under FSDP2 of backward's "
+                                             r"\(this pass\) in 2 reads"):
+        judged(backward, second, phase="backward")
 
 
 def test_every_collective_op_of_a_profiled_run_is_compared(tmp_path):

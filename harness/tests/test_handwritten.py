@@ -228,7 +228,7 @@ OUTSIDE = {
     "dict_walk": ("import torch\nm = torch.distributed.__dict__\n", 2, "pass what you need as arguments"),
     "eval": ("x = eval('1')\n", 1, "write the code out"),
     "shared_memory": ("import torch\nt = torch.empty(4)\nt.share_memory_()\n", 3, "ordinary allocator"),
-    "file_backed": ("import torch\ns = torch.UntypedStorage.from_file('f', True, 8)\n", 2, "ordinary allocator"),
+    "file_backed": ("import torch\ns = torch.from_file('f', True, 8)\n", 2, "ordinary allocator"),
     "relative_import": ("from . import helpers\n", 1, "imports from its own package"),
     "star_import": ("from torch import *\n", 1, "name what you import"),
     "module_from_import": ("from torch import jit\n", 1, "imports the module torch.jit"),
@@ -370,6 +370,11 @@ OUTSIDE = {
     # Storage the memory check cannot see: a Python buffer's.
     "borrowed_storage": ("import torch\nt = torch.frombuffer(b, dtype=torch.uint8)\n", 2, "borrowed (Python buffer)"),
     "python_buffer": ("b = bytearray(64)\n", 1, "uses `bytearray`"),
+    # Storages of the file's own, and bytes rewritten where no op shows it.
+    "own_storage": ("import torch\ns = torch.UntypedStorage(64)\n", 2, "an FSDP's storages are its tensors'"),
+    "typed_storage": ("import torch\ns = torch.FloatStorage(16)\n", 2, "an FSDP's storages are its tensors'"),
+    "storage_byteswap": ("def f(s):\n    s.byteswap(float)\n", 2, "an FSDP's storages are its tensors'"),
+    "generator_state": ("import torch\ndef f(g, state):\n    g.set_state(state)\n", 3, "draws no random numbers"),
     # The attribute builtins with their arguments unpacked, which the name checks never saw.
     "getattr_unpacked": ("import torch\ng = getattr(*(torch.Tensor, 'x'))\n", 2, "with its arguments unpacked"),
     "setattr_unpacked": ("import torch\nsetattr(*(torch.Tensor, 'add_', None))\n", 2, "with its arguments unpacked"),

@@ -359,13 +359,15 @@ def issue_order(stats: RunStats, kind: str, phase: str) -> list[list[str]]:
     return [ranks[r] for r in sorted(ranks)]
 
 
-def gathered_from(reads: list[tuple], phase: str) -> dict[str, set[tuple[str, str]]]:
-    """Of one rank's parameter reads in `phase`: leaf -> the (phase, pass) of the all-gathers its data came from (a leaf
-    whose reads no log saw, its parameters swapped for memory of the program's own after its forward, has none)."""
-    out: dict[str, set[tuple[str, str]]] = {}
-    for _, ph, leaf, sources in reads:
+def gathered_from(reads: list[tuple], phase: str) -> dict[tuple[str, int, int], tuple[int, set[tuple[str, str]]]]:
+    """Of one rank's parameter reads in `phase`, per (leaf, step, pass of the step): how many the logs saw, and the
+    (phase, pass) of the all-gathers their data came from. A read no log saw (of memory the program put in the
+    parameters' place after the leaf's forward) is missing from its pass, however many passes read as FSDP2's."""
+    out: dict[tuple[str, int, int], tuple[int, set[tuple[str, str]]]] = {}
+    for step, ph, pass_no, leaf, sources in reads:
         if ph == phase:
-            out.setdefault(leaf, set()).update((src_phase, relation) for _, src_phase, relation in sources)
+            count, found = out.get((leaf, step, pass_no), (0, set()))
+            out[leaf, step, pass_no] = count + 1, found | {(src_phase, relation) for _, src_phase, relation in sources}
     return out
 
 
@@ -375,7 +377,7 @@ def assert_parameters_gathered(p: Profiles, phase: str) -> None:
     came from (the last block's kept aside from forward is not this pass's all-gather)."""
     __tracebackhide__ = True
     for rank, (ref, got) in enumerate(zip(p.fsdp2.reads, p.effdl.reads)):
-        for step, ph, leaf, sources in got:
+        for step, ph, _, leaf, sources in got:
             if ph != phase:
                 continue
             where = f"{p.what}: rank {rank}, step {step}, {phase}: {leaf}'s parameters, as the model read them,"
@@ -393,14 +395,19 @@ def assert_parameters_gathered(p: Profiles, phase: str) -> None:
                     f", not {group_of(leaf)}'s: each group's all-gather carries that group's parameters and no other's, "
                     "issued in its `FSDP::all_gather (name)` range")
         want, have = gathered_from(ref, phase), gathered_from(got, phase)
-        for leaf in sorted(set(want) | set(have)):
-            if want.get(leaf) != have.get(leaf):
-                show = lambda found: " and ".join(f"{ph}'s ({rel})" for ph, rel in sorted(found)) or "none"  # noqa: E731
+        for leaf, step, pass_no in sorted(set(want) | set(have)):
+            (n_want, srcs_want), (n_have, srcs_have) = (
+                found.get((leaf, step, pass_no), (0, set())) for found in (want, have))
+            if (n_want, srcs_want) != (n_have, srcs_have):
+                show = lambda n, found: (" and ".join(f"{ph}'s ({rel})" for ph, rel in sorted(found)) or "none") + \
+                    f" in {n} read{'s' if n != 1 else ''}"  # noqa: E731
                 raise AssertionError(
-                    f"{p.what}: rank {rank}, {phase}: {leaf}'s parameters, as the model read them, held data of the "
-                    f"all-gathers of {show(have.get(leaf, set()))}; under FSDP2 of {show(want.get(leaf, set()))}: "
-                    "a group computes with what its own all-gather of the pass brought (kept from an earlier pass, "
-                    "it is one more group held gathered)")
+                    f"{p.what}: rank {rank}, step {step}, {phase} pass {pass_no + 1}: {leaf}'s parameters, as the model "
+                    f"read them, held data of the all-gathers of {show(n_have, srcs_have)}; under FSDP2 of "
+                    f"{show(n_want, srcs_want)}: a group computes with what its own all-gather of the pass brought, in "
+                    "the parameters the model called it with (kept from an earlier pass, it is one more group held "
+                    "gathered; memory put in their place after the leaf's forward holds no all-gather's data the log "
+                    "sees)")
 
 
 def assert_overlap(p: Profiles, which: str) -> str:

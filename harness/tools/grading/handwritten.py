@@ -105,6 +105,8 @@ _CODE = "write the code out in the file"
 _FILES = "the FSDP computes its results; it reads no files and runs no programs"
 _HARNESS = ("harness", "train", "checks", "handwritten")
 _FSDP2_NAMES = ("fsdp", "_composable", "_composable_state", "_fully_shard")
+STORAGE_CLASSES = tuple(sorted(n for n in dir(torch) if n.endswith("Storage"))) + ("StorageBase", "_StorageBase")
+"""torch's storage classes (UntypedStorage, TypedStorage, FloatStorage...): a storage made by the file's own call"""
 ADVICE = {
     **dict.fromkeys(_FSDP2_NAMES, "write the FSDP yourself: torch.distributed's collectives and DTensor are all it needs"),
     **dict.fromkeys(_HARNESS, "the FSDP must not reach the harness that grades it; nothing in it is needed"),
@@ -210,6 +212,15 @@ ADVICE = {
     **dict.fromkeys(("UninitializedBuffer", "UninitializedParameter", "UninitializedTensorMixin"),
                     "an FSDP's tensors are plain tensors and nn.Parameter: work on the parameters and buffers you "
                     "make with torch.empty and nn.Parameter"),
+    # Storages of the file's own making, and a storage's bytes rewritten where no op shows it: what a storage is for
+    # is [Note: a storage's bytes]'s, the collective log follows bytes through ops only (jobs.py's [Note: where the
+    # model's parameters came from]).
+    **dict.fromkeys((*STORAGE_CLASSES, "byteswap", "_byteswap", "_set_cdata", "_set_from_file"),
+                    "allocate with torch.empty and free with x.untyped_storage().resize_(0): an FSDP's storages are "
+                    "its tensors', used for " + ", ".join(f".{n}()" for n in ("resize_", "size", "nbytes", "data_ptr"))),
+    # A random generator's state set from data: what it then draws is that data, which no op carried.
+    **dict.fromkeys(("set_state", "graphsafe_set_state", "clone_state", "set_offset"),
+                    "an FSDP draws no random numbers: it moves the parameters the model has"),
     # Storage outside torch's CPU allocator, which the graded memory check counts (harness/memory.py).
     **dict.fromkeys(("share_memory_", "share_memory", "from_file", "_share_filename_", "_share_fd_", "_new_shared",
                      "_new_shared_filename", "_new_shared_fd", "frombuffer", "asarray", "from_buffer",

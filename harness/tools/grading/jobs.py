@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import weakref
@@ -283,21 +284,25 @@ class Sources:
             for a, b, old in self._held(*extent, storage):
                 self._replace(a, b, _joined(old | numbers), storage)
 
-    def moving(self, storage, run):
-        """Run what may move a storage's bytes (`run()`: a resize, which copies what fits into new memory): the
-        numbers its bytes held move with them; none stay where they were."""
-        before, size, key = storage.data_ptr(), storage.nbytes(), self._token(storage)
+    def moving(self, storages, run):
+        """Run what may move storages' bytes (`run()`: a resize, which copies what fits into new memory, or an op that
+        resizes its out= or set_'s source inside): the numbers a moved storage's bytes held move with them, none stay
+        where they were, and what the memory it moved into held is gone."""
+        places = {id(st): (st, st.data_ptr(), st.nbytes()) for st in storages}
         out = run()
-        after, now = storage.data_ptr(), storage.nbytes()
-        if (after, now) != (before, size) and size and self.spans:
-            i, j = self._overlapping(before, before + size)
-            kept = [(s - before, e - before, numbers) for s, e, numbers, by in self.spans[i:j] if by == key]
-            for s, e, numbers, by in self.spans[i:j]:
-                if by == key:
-                    self._replace(s, e, _NONE, key)
-            for s, e, numbers in kept:
-                if after and s < now:
-                    self._replace(after + max(s, 0), after + min(e, now), numbers, key)
+        for storage, before, size in places.values():
+            if (after := storage.data_ptr(), now := storage.nbytes()) != (before, size) and self.spans:
+                key = self._token(storage)
+                i, j = self._overlapping(before, before + size)
+                kept = [(s - before, e - before, numbers) for s, e, numbers, by in self.spans[i:j] if by == key]
+                for s, e, _, by in self.spans[i:j]:
+                    if by == key:
+                        self._replace(s, e, _NONE, key)
+                if after and now:
+                    self._replace(after, after + now, _NONE, key)
+                    for s, e, numbers in kept:
+                        if s < now:
+                            self._replace(after + s, after + min(e, now), numbers, key)
         return out
 
     def resizing(self, plain):
@@ -306,7 +311,7 @@ class Sources:
         def resize(storage, *args, **kwargs):
             if not isinstance(storage, torch.UntypedStorage):
                 return plain(storage, *args, **kwargs)
-            return self.moving(storage, lambda: plain(storage, *args, **kwargs))
+            return self.moving((storage,), lambda: plain(storage, *args, **kwargs))
         return resize
 
     def gathered(self, outputs: list[torch.Tensor]) -> None:
@@ -370,8 +375,10 @@ class Sources:
             if self.params and self._a_parameter(t):
                 with torch.profiler.record_function(read_tag(self.mark, _gathered(held))):
                     pass
+        if _draws(func):  # what a generator draws is no memory's data (a generator's state is the program's to set)
+            numbers = numbers | _UNGATHERED
         numbers = _joined(numbers)
-        out = run()
+        out = self.moving([t.untyped_storage() for t in written], run) if written else run()  # out= may be resized
         for t in written:
             self.write(t, numbers)
         inputs = {t.untyped_storage()._cdata for t in read} if read else set()
@@ -422,20 +429,37 @@ _INDEXED = {torch.ops.aten.index_copy_, torch.ops.aten.index_copy, torch.ops.ate
 """ops that write their first argument's elements at an index (a copy-out through one): partly, or every one."""
 
 
+@functools.cache
+def _draws(func) -> bool:
+    """Whether an op draws from a random generator (random_, normal_, bernoulli...: a `Generator?` argument)."""
+    return any("Generator" in str(a.type) for a in func._schema.arguments)
+
+
 def _sets_every_element(func, args, kwargs) -> bool:
     """Whether an indexed write (`_INDEXED`) sets every element of its first argument from the others: then nothing
-    that argument held survives it, as after a copy_. Told by writing True through the same index into a mask."""
-    self = args[0]
+    that argument held survives it, as after a copy_. Told by writing True through the same index into a mask over
+    the dimensions it indexes (none made where the answer is no at once: fewer indices than rows, or a sum)."""
+    self, aten = args[0], torch.ops.aten
     if not isinstance(self, torch.Tensor) or self.numel() == 0:
         return False
-    hit = torch.zeros(self.shape, dtype=torch.bool, device=self.device)
+    one = torch.ones((), dtype=torch.bool, device=self.device)
     try:
-        if func.overloadpacket in (torch.ops.aten.index_copy_, torch.ops.aten.index_copy):  # (self, dim, index, source)
-            hit.index_fill_(args[1], args[2], True)
-        elif args[3] if len(args) > 3 else kwargs.get("accumulate", False):  # (self, indices, values, accumulate)
+        if func.overloadpacket in (aten.index_copy_, aten.index_copy):  # (self, dim, index, source)
+            rows = self.size(args[1]) if self.dim() else 1
+            if not isinstance(args[2], torch.Tensor) or args[2].numel() < rows:
+                return False
+            hit = torch.zeros(rows, dtype=torch.bool, device=self.device)
+            aten.index_put_.default(hit, [args[2].reshape(-1)], one)
+            return bool(hit.all())
+        if args[3] if len(args) > 3 else kwargs.get("accumulate", False):  # (self, indices, values, accumulate)
             return False  # a sum with what was there
-        else:
-            hit.index_put_(args[1], torch.ones((), dtype=torch.bool, device=self.device))
+        shape, at = [], 0  # the mask's: each dimension an index names (None: all of it, as one row)
+        for index in args[1]:
+            taken = 1 if index is None or index.dtype not in (torch.bool, torch.uint8) else index.dim()
+            shape += [1] if index is None else self.shape[at:at + taken]
+            at += taken
+        hit = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        aten.index_put_.default(hit, list(args[1]), one)
     except (RuntimeError, IndexError, TypeError):
         return False  # not an index the op takes: it says so itself
     return bool(hit.all())
@@ -552,13 +576,19 @@ class CommLog(TorchDispatchMode):
                     break
         if self.sources is not None and (func in _MADE or func.overloadpacket in _FRESH):
             # new memory (a factory, or a tensor made from Python values): whatever a storage freed there held is gone
-            out = func(*args, **kwargs)
+            out = self.sources.moving([t.untyped_storage() for t in _tensors(kwargs) if _followed(t)],
+                                      lambda: func(*args, **kwargs))  # an out= resized
             for t in _tensors(out):
                 if _followed(t):
                     self.sources.write(t, _CONSTANT if func in _MADE else _NONE)
             return out
         if self.sources is not None and func.overloadpacket in _RESIZING and isinstance(args[0], torch.Tensor):
-            return self.sources.moving(args[0].untyped_storage(), lambda: func(*args, **kwargs))
+            return self.sources.moving((args[0].untyped_storage(),), lambda: func(*args, **kwargs))
+        if self.sources is not None and func.overloadpacket is torch.ops.aten.set_ and len(args) > 1:
+            # set_ to a size beyond its source's storage grows that storage, moving its bytes
+            source = args[1].untyped_storage() if isinstance(args[1], torch.Tensor) and _followed(args[1]) else \
+                args[1] if isinstance(args[1], torch.UntypedStorage) else None
+            return self.sources.moving((source,) if source is not None else (), lambda: func(*args, **kwargs))
         if self.sources is not None and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
             return self.sources.ran(func, args, kwargs, lambda: func(*args, **kwargs))
         return func(*args, **kwargs)

@@ -568,7 +568,8 @@ THIS_PASS, EARLIER_PASS, EARLIER_STEP = "this pass", "an earlier pass of this st
 def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tuple]:
     """Every read of the model's leaves' parameters by its compute in this rank's trace (jobs.Sources' `read_tag`
     ranges inside a leaf's marked forward, or inside a node of its ops: see [Note: what counts as compute]), in order,
-    as (step, phase, leaf, sources); the leaf is the one computing (the range's, or the node's forward op's), whatever
+    as (step, phase, pass, leaf, sources), pass counting the step's passes of that phase from 0; the leaf is the one
+    computing (the range's, or the node's forward op's), whatever
     the program registered, and sources, for each all-gather whose data the bytes read held, (the group it was issued
     as, its phase, and whether it was issued in the read's pass (THIS_PASS), an earlier one of its step, or an earlier
     step); (None, "", "") for one issued outside any group's range, or before the profiled steps; ("", "", "") where
@@ -576,6 +577,11 @@ def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tup
     numbered = {s.number: s for s in scheduled if s.number is not None and s.rank == t.rank}
     nodes = linked_nodes(t.ranges, mark, by=lambda leaf: leaf)
     passes = Ranges((s, e, s) for s, e, _ in t.phases.ranges)
+    ordinal: dict[float, int] = {}  # a pass's start -> its place among its step's passes of its phase
+    counted: dict[tuple, int] = defaultdict(int)
+    for s, _, phase in sorted(t.phases.ranges, key=lambda r: r[0]):
+        ordinal[s] = counted[t.steps.at(s), phase]
+        counted[t.steps.at(s), phase] += 1
     prefix = mark + READ_TAG
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
     for e in t.ranges:
@@ -601,7 +607,7 @@ def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tup
                 else:
                     sources.add((s.group, s.phase, THIS_PASS if s.pass_start == at else
                                  EARLIER_PASS if s.step == step else EARLIER_STEP))
-            out.append((e["ts"], step, phase, leaf, tuple(sorted(sources, key=str))))
+            out.append((e["ts"], step, phase, ordinal.get(at, -1), leaf, tuple(sorted(sources, key=str))))
     return [read[1:] for read in sorted(out, key=lambda r: r[0])]
 
 
