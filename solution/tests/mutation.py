@@ -231,6 +231,36 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "                self.kept = columns\n"
         "            elif getattr(self, \"kept\", None) is not None:\n"
         "                columns, self.kept = self.kept, None\n")],
+    # The last block's parameters kept from forward (a copy) and put in the parameters' place (`.data`) in every
+    # second backward: that pass computes with forward's data, its reads of memory the model was never called with,
+    # which the log does not see; the other backward passes are honest and read what FSDP2's do.
+    "backward-alternately-reads-a-copy": [(
+        "                if self.group.reshard_after_forward:\n"
+        "                    self.group.reshard()\n",
+        "                order = self.ctx.last_forward_order\n"
+        "                if order and order[-1] is self.group and torch.is_grad_enabled():\n"
+        "                    self.ctx.kept = (self.group, [p.gathered.detach().clone() for p in self.group.params])\n"
+        "                if self.group.reshard_after_forward:\n"
+        "                    self.group.reshard()\n"), (
+        "            self.group.unshard()  # no-op if prefetched or never resharded\n"
+        "            self.group.wait_for_unshard()\n"
+        "            if not self.backward_prefetch:",
+        "            self.group.unshard()  # no-op if prefetched or never resharded\n"
+        "            self.group.wait_for_unshard()\n"
+        "            kept = getattr(ctx, 'kept', None)\n"
+        "            if kept is not None and kept[0] is self.group:\n"
+        "                ctx.kept, ctx.swaps = None, getattr(ctx, 'swaps', 0) + 1\n"
+        "                if ctx.swaps % 2 == 0:\n"
+        "                    for p, copy in zip(self.group.params, kept[1]):\n"
+        "                        p.unsharded.data = copy[:p.shape[0]]\n"
+        "            if not self.backward_prefetch:"), (
+        "            if group.reshard_after_backward:\n"
+        "                group.reshard()\n",
+        "            for p in group.params:\n"
+        "                if p.gathered is not None and p.unsharded.data_ptr() != p.gathered.data_ptr():\n"
+        "                    p.unsharded.data = p.gathered.data[:p.shape[0]]\n"
+        "            if group.reshard_after_backward:\n"
+        "                group.reshard()\n")],
     # Every reduce-scatter left running until the end of backward: each overlaps the compute after it, and every
     # group's gradient buffers are held at once (FSDP2 finishes the previous group's before issuing the next).
     "reduce-scatters-all-in-flight": [(
