@@ -182,24 +182,31 @@ def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
 # the data is followed: each all-gather is numbered where it is issued (a range `gather_tag` names, inside the
 # c10d op), and the bytes every op writes carry the numbers of the all-gathers whose data the op read (a copy-out,
 # a cast, a view's reshaping copy, a sum with them), or NONE_GATHERED where it read bytes that hold no all-gather's
-# data (a fresh tensor, a copy from elsewhere: an op that reads none writes none). Constants (CONSTANT: what zeros,
-# arange or fill_ make from a number or two) are no memory's data: beside an all-gather's, they are nothing (a sum of
-# zeros and a copy-out holds the copy-out's), alone, nothing gathered. Where an op reads the parameters
-# of one of the model's leaves (as the model last called it: `marked_compute` tells), a range (`read_tag`) says
-# which all-gathers' data its bytes hold; the analysis (schedule.parameter_reads) takes the leaf from the compute
-# the read is in (the leaf's marked forward, or a node of its ops), ties each number to the collective it was
-# issued as, and the checks require each leaf's parameters to hold only data of its own group's collectives, every
-# byte of them, from the passes FSDP2's come from, in every pass FSDP2's are read in
-# (checks.assert_parameters_gathered). Bytes are followed by address, each run of a strided tensor's for itself (a
-# write through a strided view, an all-gather's included, numbers only the bytes it writes; one in more runs than
-# are followed adds its numbers to what each byte held, and NONE_GATHERED where it held none); and by storage: what
-# a storage's bytes hold is what was written through that storage (the same memory freed and allocated again for
-# another holds nothing gathered until written), and bytes a resize moves (`untyped_storage().resize_()`, through
-# its gate, or a tensor's `resize_`) take their numbers with them and leave none behind (a storage moved away and
-# back again finds nothing it held before). What a storage wrote dies with it: spans name the storage by a token
-# its Python object keeps (`_token`), so a StorageImpl made again at a dead one's address, by a way no op shows,
-# holds nothing. An op that writes part of a tensor (index_copy_, index_put_, masked_scatter_) keeps what the rest
-# held: into fresh memory, NONE_GATHERED; index_copy_ and index_put_ through an index that sets every element are
+# data (a fresh tensor, a copy from elsewhere, a random draw: an op that reads none writes none). Constants
+# (CONSTANT: what zeros, arange or fill_ make from a number or two, and what ops make of them alone) are no memory's
+# data: beside an all-gather's, they are nothing (a sum of zeros and a copy-out holds the copy-out's); alone,
+# nothing gathered.
+#
+# Where an op reads the parameters of one of the model's leaves (as the model last called it: `marked_compute`
+# tells), a range (`read_tag`) says which all-gathers' data its bytes hold; the analysis (schedule.parameter_reads)
+# takes the leaf from the compute the read is in (the leaf's marked forward, or a node of its ops), ties each
+# number to the collective it was issued as, and the checks (checks.assert_parameters_gathered) require each leaf's
+# parameters to hold only data of its own group's collectives, every byte of them, from the passes FSDP2's come
+# from, with as many such reads of each leaf in each pass of each step as FSDP2's: a read of memory the program put
+# in the parameters' place after the leaf's forward is no read of the parameters the log knows, and leaves its pass
+# short (an honest pass elsewhere does not stand for it).
+#
+# Bytes are followed by address, each run of a strided tensor's for itself (a write through a strided view, an
+# all-gather's included, numbers only the bytes it writes; one in more runs than are followed adds its numbers to
+# what each byte held, and NONE_GATHERED where it held none); and by storage: what a storage's bytes hold is what
+# was written through that storage (the same memory freed and allocated again for another holds nothing gathered
+# until written). What a storage wrote dies with it: spans name the storage by a token its Python object keeps
+# (`_token`), so a StorageImpl made again at a dead one's address, by a way no op shows, holds nothing. Bytes a
+# storage's move takes along (`untyped_storage().resize_()` through its gate, a tensor's `resize_`, set_ to a size
+# beyond its source's storage, an out= an op resizes inside) carry their numbers; none stay where they were, and
+# nothing the memory they land on held before survives (a storage moved away and back again finds nothing it held
+# there). An op that writes part of a tensor (index_copy_, index_put_, masked_scatter_) keeps what the rest held:
+# into fresh memory, NONE_GATHERED; index_copy_ and index_put_ through an index that sets every element are
 # copy-outs (`_sets_every_element`).
 
 
@@ -392,8 +399,9 @@ class Sources:
 _NONE: frozenset = frozenset()
 _UNGATHERED = frozenset((NONE_GATHERED,))
 CONSTANT = -1
-"""what bytes hold that a factory made from no memory (zeros, arange, full) or fill_ or zero_ wrote: no data of any
-all-gather's, nor any other memory's; beside an all-gather's data, nothing (a sum of zeros and a copy-out)."""
+"""what bytes hold that a factory made from no memory (zeros, arange, full) or fill_ or zero_ wrote, or an op computed
+from such bytes only: no data of any all-gather's, nor any other memory's; beside an all-gather's data, nothing (a sum
+of zeros and a copy-out). Never what a random generator drew (`_draws`): its state may be the program's data."""
 _CONSTANT = frozenset((CONSTANT,))
 
 
