@@ -718,8 +718,8 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
     none = schedule.NONE_GATHERED
     with torch.profiler.profile() as prof, log:
         first, second = torch.arange(32.0), torch.arange(32.0) * 2
-        log.sources.gathered([first])  # number 1 (gloo writes it where no op shows)
-        log.sources.gathered([second])  # number 2
+        log.sources.landed(*log.sources.gathered([first]))  # number 1 (gloo writes it where no op shows)
+        log.sources.landed(*log.sources.gathered([second]))  # number 2
         weight = torch.empty(4, 4)
         leaf._parameters["weight"] = nn.Parameter(weight)
         log.sources.called(leaf)
@@ -750,6 +750,11 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         flat = torch.empty(16)
         flat[torch.arange(8)] = second[:8]  # half of them: the rest holds what fresh memory held
         partly = log.sources.held(flat)
+        others = [log.sources.held(write(torch.empty(16))) for write in (  # put_, masked_scatter_, scatter_: as well
+            lambda t: t.put_(torch.arange(16), second[:16]),
+            lambda t: t.masked_scatter_(torch.ones(16, dtype=torch.bool), second[:16]),
+            lambda t: t.scatter_(0, torch.arange(16), second[:16]),
+            lambda t: t.scatter_(0, torch.zeros(16, dtype=torch.long), second[:16]))]  # one element written
         other = nn.parameter.UninitializedBuffer()
         other.data = weight
         other.copy_(second[:16].view(4, 4))  # through a tensor of another class
@@ -759,6 +764,9 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         storage.resize_(storage.nbytes() * 64)  # its bytes copied into new memory where no op shows it
         resized = log.sources.held(moved[:32])
         behind = [span for span in log.sources.spans if span[3] == log.sources._token(storage) and left <= span[0] < left + 128]
+        stats = first[:16].clone()
+        torch.nn.functional.batch_norm(torch.randn(2, 16), stats, torch.ones(16), training=True, momentum=1.0)
+        normed = log.sources.held(stats)  # running statistics a batch norm wrote (its schema does not say so)
         lifted = first[:8].clone()
         torch.ops.aten.lift_fresh(lifted)  # what torch.tensor(values) runs on its new memory: whatever was there is gone
         fresh = log.sources.held(lifted)
@@ -766,9 +774,10 @@ def test_sources_follow_the_all_gathers_data_into_the_parameters(tmp_path):
         grown.resize_(1 << 16)  # a tensor's resize_, growing its storage
         grew = log.sources.held(grown[:32])
     assert moved.data_ptr() != left and grown.data_ptr() != second.data_ptr()
-    assert (strided, mixed, zeros, spaced, indexed, partly, through, resized, behind, grew, fresh) == \
-        ({1, 2}, {none, 1}, {1}, {1}, {2}, {none, 2}, {2}, {1}, [], {2}, {none}), \
-        (strided, mixed, zeros, spaced, indexed, partly, through, resized, behind, grew, fresh)
+    assert (strided, mixed, zeros, spaced, indexed, partly, through, resized, behind, grew, fresh, normed) == \
+        ({1, 2}, {none, 1}, {1}, {1}, {2}, {none, 2}, {2}, {1}, [], {2}, {none}, {none, 1}), \
+        (strided, mixed, zeros, spaced, indexed, partly, through, resized, behind, grew, fresh, normed)
+    assert others == [{2}, {2}, {2}, {none, 2}], others
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     names = [e["name"] for e in sorted(json.loads((tmp_path / "t.json").read_text())["traceEvents"],
                                        key=lambda e: e.get("ts", 0)) if e.get("ph") == "X"]
@@ -792,7 +801,7 @@ def test_a_storage_made_again_on_the_same_memory_holds_nothing_gathered():
     memory = bytearray(4096)  # outlives the storages made on it
     gathered, kept = torch.arange(1024.0), torch.frombuffer(memory, dtype=torch.float32)
     with log:
-        log.sources.gathered([gathered])
+        log.sources.landed(*log.sources.gathered([gathered]))
         kept.copy_(gathered)
     key, at, first = kept.untyped_storage()._cdata, kept.data_ptr(), log.sources.held(kept)
     del kept
@@ -819,7 +828,7 @@ def test_bytes_an_op_moves_take_their_numbers_with_them():
     none = schedule.NONE_GATHERED
     with log:
         first = torch.arange(64.0)
-        log.sources.gathered([first])  # number 1
+        log.sources.landed(*log.sources.gathered([first]))  # number 1
         grown = first[:16].clone()
         key, left = log.sources._token(grown.untyped_storage()), grown.data_ptr()
         wide = torch.empty(0).set_(grown, 0, (1 << 14,), (1,))  # grows grown's storage: its bytes move
@@ -850,6 +859,30 @@ def test_bytes_an_op_moves_take_their_numbers_with_them():
     assert (behind_set, moved_by_set, behind_out, drawn, landed) == ([], {1}, [], {none}, [{1}, {none}]), \
         (behind_set, moved_by_set, behind_out, drawn, landed)
     assert none in redrawn
+
+
+def test_an_all_gathers_data_lands_at_its_wait():
+    """An all-gather's outputs hold its data once a wait for it returned (Sources.landed, which the collective log's
+    gate for Work.wait calls when the wait returns): read before, they hold none of it, however the program
+    learnt it was done (a tensor swapped for another, synchronize(), a wait that timed out); bytes the program wrote
+    into them meanwhile stay its own; a storage moved before the wait gets the data where it is now."""
+    import torch
+
+    from harness.tools.grading.jobs import CommLog
+
+    log = CommLog("## model compute 11 ##")
+    none = schedule.NONE_GATHERED
+    with log:
+        out, moved = torch.empty(32), torch.empty(16)
+        number, regions = log.sources.gathered([out])
+        early = out.clone()  # read before it landed
+        out[:8].copy_(torch.randn(8))  # the program's own bytes, written before the wait
+        second = log.sources.gathered([moved])
+        moved.untyped_storage().resize_(1 << 16)  # moved before its wait: it lands where it is now
+        log.sources.landed(number, regions)
+        log.sources.landed(*second)
+        found = [log.sources.held(t) for t in (early, out[:8], out[8:], moved[:16])]
+    assert found == [{none}, {none}, {number}, {second[0]}], found
 
 
 def test_a_parameter_holds_its_own_groups_gathered_data():

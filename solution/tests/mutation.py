@@ -231,6 +231,16 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "                self.kept = columns\n"
         "            elif getattr(self, \"kept\", None) is not None:\n"
         "                columns, self.kept = self.kept, None\n")],
+    # The all-gather's output read when synchronize() returned (at once on gloo, the work maybe still running), and
+    # that copy used after the real wait: every parameter computes with bytes read before its all-gather landed.
+    "copy-out-after-synchronize": [(
+        "            self.work.wait()\n"
+        "        if self.post_forward is None:\n",
+        "            self.work.synchronize()\n"
+        "            early = self.flat.clone()\n"
+        "            self.work.wait()\n"
+        "            self.flat.copy_(early)\n"
+        "        if self.post_forward is None:\n")],
     # The last block's parameters kept from forward (a copy) and put in the parameters' place (`.data`) in every
     # second backward: that pass computes with forward's data, its reads of memory the model was never called with,
     # which the log does not see; the other backward passes are honest and read what FSDP2's do.

@@ -170,6 +170,8 @@ def test_overlap_check_fails_two_groups_ahead_with_one_in_flight(mutant, pool2, 
     ("backward-copies-out-of-forward", ["backward"],
      r"rank 0, step \d+, backward pass \d: layers\.0\.[\w.]+'s parameters, as the model read them, held data of the "
      r"all-gathers of forward's \(an earlier pass of this step\) in \d+ reads?; under FSDP2 of backward's \(this pass\)"),
+    ("copy-out-after-synchronize", ["forward", "backward"],
+     r"rank 0, step \d+, \w+ward: [\w.]+'s parameters, as the model read them, held bytes that no all-gather brought"),
     ("backward-alternately-reads-a-copy", ["backward"],
      r"rank 0, step \d+, backward pass \d: layers\.5\.[\w.]+'s parameters, as the model read them, held data of the "
      r"all-gathers of none in 0 reads; under FSDP2 of backward's \(this pass\) in \d+ reads?"),
@@ -183,7 +185,7 @@ def test_overlap_check_fails_when_a_collective_carries_another_groups_parameters
     parameters came from]), not by its name alone: two blocks' all-gathers issued under each other's names, or a
     block's parameters in backward copied out of its forward all-gather's buffer (a block held gathered from
     forward), or put in the parameters' place in every second backward (a pass the log does not see is not covered
-    by the honest ones), fail; and with honest names, the names must come in FSDP2's order (the second block's
+    by the honest ones), or read when synchronize() returned (at once on gloo: the data lands at a wait), fail; and with honest names, the names must come in FSDP2's order (the second block's
     issued first)."""
     profiles = checks.profile_both(pool2, mutant(name), tmp_path / "profiles")
     for which in ("forward", "backward"):

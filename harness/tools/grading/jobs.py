@@ -180,9 +180,13 @@ def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
 # next block's under this block's name, or the last block's kept aside from forward and one group's carried in
 # each later collective) held two groups gathered ahead with every count FSDP2's. So, in a graded profiled run,
 # the data is followed: each all-gather is numbered where it is issued (a range `gather_tag` names, inside the
-# c10d op), and the bytes every op writes carry the numbers of the all-gathers whose data the op read (a copy-out,
-# a cast, a view's reshaping copy, a sum with them), or NONE_GATHERED where it read bytes that hold no all-gather's
-# data (a fresh tensor, a copy from elsewhere, a random draw: an op that reads none writes none). Constants
+# c10d op); its outputs hold its data once a wait for it returned (its Work's wait(), through the gate; wait_tensor
+# for a functional collective's), wherever their storages are then: read before (through a tensor swapped for them,
+# once synchronize() returned at once, after a wait that timed out), they hold none of it, and what the program
+# wrote into them meanwhile stays its own (`Sources.landed`). The bytes every op writes carry the numbers of the
+# all-gathers whose data the op read (a copy-out, a cast, a view's reshaping copy, a sum with them), or
+# NONE_GATHERED where it read bytes that hold no all-gather's data (a fresh tensor, a copy from elsewhere, a random
+# draw: an op that reads none writes none). Constants
 # (CONSTANT: what zeros, arange or fill_ make from a number or two, and what ops make of them alone) are no memory's
 # data: beside an all-gather's, they are nothing (a sum of zeros and a copy-out holds the copy-out's); alone,
 # nothing gathered.
@@ -222,6 +226,7 @@ class Sources:
         self.params: dict[int, list[weakref.ref]] = {}  # storage -> the leaves' parameters on it
         self._storages: dict[int, tuple[weakref.ref, int]] = {}  # StorageImpl address -> (its storage, its token)
         self._tokens = 0
+        self.quiet = 0  # > 0 inside a Work's wait (CommLog)
         self._layouts: dict = {}
 
     def _token(self, storage: torch.UntypedStorage) -> int:
@@ -321,13 +326,35 @@ class Sources:
             return self.moving((storage,), lambda: plain(storage, *args, **kwargs))
         return resize
 
-    def gathered(self, outputs: list[torch.Tensor]) -> None:
-        """An all-gather issued, writing `outputs`: numbered, in the trace and in memory."""
+    def gathered(self, outputs: list[torch.Tensor]) -> tuple[int, list]:
+        """An all-gather issued, writing `outputs`: numbered in the trace where it is issued. In memory its outputs
+        hold its landing mark until a wait for it returns (`landed`): what is read of them before (no all-gather's
+        data yet), or written into them meanwhile (the program's), is not its data. Returns (its number, where its
+        outputs are: each storage and the runs of bytes it writes there, from the storage's start)."""
         self.gathers += 1
         with torch.profiler.record_function(gather_tag(self.mark, self.gathers)):
             pass
+        regions = []
         for t in outputs:
-            self.write(t, frozenset((self.gathers,)))
+            if _followed(t) and (runs := _runs(t) or ([extent] if (extent := _extent(t)) else None)):
+                self.write(t, _landing(self.gathers))
+                storage = t.untyped_storage()
+                base = storage.data_ptr()
+                regions.append((weakref.ref(storage), self._token(storage), [(a - base, b - base) for a, b in runs]))
+        return self.gathers, regions
+
+    def landed(self, number: int, regions: list) -> None:
+        """A wait for all-gather `number` returned: the bytes of its outputs that still hold its landing mark, wherever
+        their storages are now, hold its data."""
+        mark, data = _landing(number), frozenset((number,))
+        for ref, token, runs in regions:
+            if (storage := ref()) is None or self._token(storage) != token or not (base := storage.data_ptr()):
+                continue
+            size = storage.nbytes()
+            for a, b in runs:
+                for s, e, held in self._held(base + a, base + min(b, size), token) if a < size else ():
+                    if not mark.isdisjoint(held):
+                        self._replace(s, e, held - mark | data, token)
 
     def called(self, module: nn.Module) -> None:
         """The model called one of its leaves: its parameters as it is called are the ones to follow."""
@@ -352,7 +379,7 @@ class Sources:
             for i, arg in enumerate(func._schema.arguments):
                 if "Tensor" not in str(arg.type):
                     continue
-                writes = arg.alias_info is not None and arg.alias_info.is_write
+                writes = arg.alias_info is not None and arg.alias_info.is_write or arg.name in _UNDECLARED_WRITES.get(func, ())
                 how = OVERWRITTEN if writes and (arg.is_out or (i == 0 and func.overloadpacket in _OVERWRITE)) \
                     else WRITTEN if writes else READ
                 found.append((i, arg.name, arg.kwarg_only, how))
@@ -405,8 +432,16 @@ of zeros and a copy-out). Never what a random generator drew (`_draws`): its sta
 _CONSTANT = frozenset((CONSTANT,))
 
 
+def _landing(number: int) -> frozenset:
+    """What the outputs of all-gather `number` hold from its issue until a wait for it returns (`Sources.landed`)."""
+    return frozenset((CONSTANT - number,))
+
+
 def _joined(numbers: frozenset) -> frozenset:
-    """What bytes made from these sources hold: constants beside data are nothing."""
+    """What bytes made from these sources hold: constants beside data are nothing; an all-gather's output read
+    before a wait for it returned (its landing mark) holds none of its data."""
+    if numbers and min(numbers) < CONSTANT:
+        numbers = frozenset(n for n in numbers if n >= CONSTANT) | _UNGATHERED
     return numbers - _CONSTANT if CONSTANT in numbers and len(numbers) > 1 else numbers
 
 
@@ -418,6 +453,10 @@ def _gathered(held: frozenset) -> frozenset:
 READ, WRITTEN, OVERWRITTEN = "read", "written", "overwritten"
 _OVERWRITE = {getattr(torch.ops.aten, n) for n in ("copy_", "fill_", "zero_") if hasattr(torch.ops.aten, n)}
 """in-place ops whose first argument's bytes are all written and none read."""
+_UNDECLARED_WRITES = {getattr(getattr(torch.ops.aten, n), o): ("running_mean", "running_var")
+                      for n in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm") for o in ("default", "out")
+                      if hasattr(torch.ops.aten, n) and o in getattr(torch.ops.aten, n).overloads()}
+"""arguments ops write that their schemas do not say they write (batch norm's running statistics, in training)."""
 _FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
 """in-place ops that write constants (`CONSTANT`): one number given to them."""
 _FRESH = {getattr(torch.ops.aten, n) for n in (
@@ -433,8 +472,10 @@ _MADE = {overload for n in ("zeros", "ones", "full", "arange", "eye", "linspace"
 tensor gives its shape only; linspace from tensors reads them, as any op)."""
 _RESIZING = {getattr(torch.ops.aten, n) for n in ("resize_", "resize_as_") if hasattr(torch.ops.aten, n)}
 """tensor ops that may move their storage's bytes (growing it)."""
-_INDEXED = {torch.ops.aten.index_copy_, torch.ops.aten.index_copy, torch.ops.aten.index_put_, torch.ops.aten.index_put}
-"""ops that write their first argument's elements at an index (a copy-out through one): partly, or every one."""
+_INDEXED = {getattr(torch.ops.aten, n) for n in ("index_copy_", "index_copy", "index_put_", "index_put", "put_", "put",
+                                                "scatter_", "scatter", "masked_scatter_", "masked_scatter")}
+"""ops that write their first argument's elements at an index or a mask (a copy-out through one): partly, or every
+one."""
 
 
 @functools.cache
@@ -447,19 +488,30 @@ def _sets_every_element(func, args, kwargs) -> bool:
     """Whether an indexed write (`_INDEXED`) sets every element of its first argument from the others: then nothing
     that argument held survives it, as after a copy_. Told by writing True through the same index into a mask over
     the dimensions it indexes (none made where the answer is no at once: fewer indices than rows, or a sum)."""
-    self, aten = args[0], torch.ops.aten
+    self, aten, packet = args[0], torch.ops.aten, func.overloadpacket
     if not isinstance(self, torch.Tensor) or self.numel() == 0:
         return False
     one = torch.ones((), dtype=torch.bool, device=self.device)
     try:
-        if func.overloadpacket in (aten.index_copy_, aten.index_copy):  # (self, dim, index, source)
-            rows = self.size(args[1]) if self.dim() else 1
-            if not isinstance(args[2], torch.Tensor) or args[2].numel() < rows:
+        if packet in (aten.masked_scatter_, aten.masked_scatter):  # (self, mask, source)
+            return bool(args[1].all())
+        if packet in (aten.scatter_, aten.scatter):  # (self, dim, index, src or value[, reduce])
+            if len(args) > 4 or "reduce" in kwargs or args[2].numel() < self.size(args[1]):
+                return False
+            hit = torch.zeros(self.shape, dtype=torch.bool, device=self.device)
+            aten.scatter_.value(hit, args[1], args[2], True)
+            return bool(hit.all())
+        if packet in (aten.index_copy_, aten.index_copy, aten.put_, aten.put):  # (self, dim, index, ...), (self, index, ...)
+            index, rows = (args[2], self.size(args[1]) if self.dim() else 1) if packet in (aten.index_copy_, aten.index_copy) \
+                else (args[1], self.numel())
+            if packet in (aten.put_, aten.put) and (args[3] if len(args) > 3 else kwargs.get("accumulate", False)):
+                return False  # a sum with what was there
+            if not isinstance(index, torch.Tensor) or index.numel() < rows:
                 return False
             hit = torch.zeros(rows, dtype=torch.bool, device=self.device)
-            aten.index_put_.default(hit, [args[2].reshape(-1)], one)
+            aten.index_put_.default(hit, [index.reshape(-1)], one)
             return bool(hit.all())
-        if args[3] if len(args) > 3 else kwargs.get("accumulate", False):  # (self, indices, values, accumulate)
+        if args[3] if len(args) > 3 else kwargs.get("accumulate", False):  # index_put: (self, indices, values, accumulate)
             return False  # a sum with what was there
         shape, at = [], 0  # the mask's: each dimension an index names (None: all of it, as one row)
         for index in args[1]:
@@ -491,17 +543,36 @@ class CommLog(TorchDispatchMode):
         # before its wait]. The tensors, not their addresses: a storage resized in place moves its bytes, and
         # its tensors with them, where no op shows it.
         self.pending: dict[int, tuple[object, list[torch.Tensor], str]] = {}
+        # id(work) -> (work, number, regions) of an all-gather whose data lands at a wait for its Work (Sources.gathered);
+        # and a functional all-gather's, by its output's storage token, at its wait_tensor
+        self.landing: dict[int, tuple] = {}
+        self.landing_tensors: dict[int, list[tuple]] = {}
         self._routing = None
 
     def __enter__(self):
-        pending = self.pending
+        pending, landing, sources = self.pending, self.landing, self.sources
 
         def waiting(name):
             original = current(f"Work.{name}")
 
             def asked(work, *args, **kwargs):
-                pending.pop(id(work), None)  # asked first: a wait may copy the result into place itself (gloo's)
-                return original(work, *args, **kwargs)
+                entry = pending.pop(id(work), None)  # asked first: a wait may copy the result into place itself (gloo's)
+                if sources is not None:
+                    sources.quiet += 1  # what runs inside is the backend's, writing the collective's result
+                try:
+                    out = original(work, *args, **kwargs)
+                except BaseException:  # a wait that timed out: the work may still run
+                    if entry is not None:
+                        pending[id(work)] = entry
+                    raise
+                finally:
+                    if sources is not None:
+                        sources.quiet -= 1
+                # An all-gather's data is in its outputs once a wait for it returned: not where a way of asking
+                # returned at once (synchronize(), result() on gloo), nor a wait that raised.
+                if name == "wait" and (landed := landing.pop(id(work), None)) is not None:
+                    sources.landed(*landed[1:])
+                return out
 
             return asked
 
@@ -559,9 +630,10 @@ class CommLog(TorchDispatchMode):
             if self.uses_fsdp2 is None:
                 self.uses_fsdp2 = handwritten.stack_problem()
             out = func(*args, **kwargs)
+            landing = None
             if self.sources is not None:  # all-gathers numbered; what another collective writes holds none's data
                 if kind == "all_gather":
-                    self.sources.gathered(list(_tensors(args[0] if index == 1 else out)))
+                    landing = self.sources.gathered(list(_tensors(args[0] if index == 1 else out)))
                 else:
                     for t in _tensors((args, kwargs, out)):
                         self.sources.write(t, frozenset())
@@ -569,6 +641,19 @@ class CommLog(TorchDispatchMode):
             if works and ns == "c10d" and name in _COLLECTIVES:  # their first argument is what they write
                 work = dist.Work.unbox(works[0])
                 self.pending[id(work)] = (work, list(_tensors(args[0])), kind)
+                if landing is not None:
+                    self.landing[id(work)] = (work, *landing)
+            elif landing is not None:  # a functional collective's: waited for by wait_tensor on its output
+                for t in _tensors(out):
+                    self.landing_tensors.setdefault(self.sources._token(t.untyped_storage()), []).append(landing)
+            return out
+        if self.sources is not None and self.sources.quiet:
+            return func(*args, **kwargs)  # inside a Work's wait: the backend writing the collective's result
+        if self.sources is not None and name == "wait_tensor" and self.landing_tensors and \
+                isinstance(args[0], torch.Tensor) and _followed(args[0]):
+            out = func(*args, **kwargs)
+            for landed in self.landing_tensors.pop(self.sources._token(args[0].untyped_storage()), ()):
+                self.sources.landed(*landed)
             return out
         if self.pending and not self.problems and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
             read = [r for t in _tensors((args, kwargs)) if _followed(t) and (r := _extent(t))]

@@ -193,9 +193,14 @@ def marked_waits():
             return plain["wait"](self, *args, **kwargs)
         running.discard(id(self))  # waited for: a later Work at this address starts unpolled
         done = plain["is_completed"](self)
-        tag(FOUND_DONE if done else WAITED, self)
         with torch.profiler.record_function(DONE_WAIT if done else BLOCKING_WAIT):
-            return plain["wait"](self, *args, **kwargs)
+            try:
+                out = plain["wait"](self, *args, **kwargs)
+            except BaseException:  # timed out, the work maybe running still: asked, not released
+                tag(ASKED, self)
+                raise
+        tag(FOUND_DONE if done else WAITED, self)  # once it returned: a wait that raised released nothing
+        return out
 
     def is_completed(self):
         done = plain["is_completed"](self)
