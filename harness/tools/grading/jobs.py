@@ -226,7 +226,6 @@ class Sources:
         self.params: dict[int, list[weakref.ref]] = {}  # storage -> the leaves' parameters on it
         self._storages: dict[int, tuple[weakref.ref, int]] = {}  # StorageImpl address -> (its storage, its token)
         self._tokens = 0
-        self.quiet = 0  # > 0 inside a Work's wait (CommLog)
         self._layouts: dict = {}
 
     def _token(self, storage: torch.UntypedStorage) -> int:
@@ -557,19 +556,16 @@ class CommLog(TorchDispatchMode):
 
             def asked(work, *args, **kwargs):
                 entry = pending.pop(id(work), None)  # asked first: a wait may copy the result into place itself (gloo's)
-                if sources is not None:
-                    sources.quiet += 1  # what runs inside is the backend's, writing the collective's result
                 try:
                     out = original(work, *args, **kwargs)
                 except BaseException:  # a wait that timed out: the work may still run
                     if entry is not None:
                         pending[id(work)] = entry
                     raise
-                finally:
-                    if sources is not None:
-                        sources.quiet -= 1
                 # An all-gather's data is in its outputs once a wait for it returned: not where a way of asking
-                # returned at once (synchronize(), result() on gloo), nor a wait that raised.
+                # returned at once (synchronize(), result() on gloo), nor a wait that raised. (Gloo writes them on
+                # its own threads, which no mode sees; a write the log saw inside the wait would have replaced the
+                # landing mark, and the data would not land: a failure, never a label on bytes it did not bring.)
                 if name == "wait" and (landed := landing.pop(id(work), None)) is not None:
                     sources.landed(*landed[1:])
                 return out
@@ -647,8 +643,6 @@ class CommLog(TorchDispatchMode):
                 for t in _tensors(out):
                     self.landing_tensors.setdefault(self.sources._token(t.untyped_storage()), []).append(landing)
             return out
-        if self.sources is not None and self.sources.quiet:
-            return func(*args, **kwargs)  # inside a Work's wait: the backend writing the collective's result
         if self.sources is not None and name == "wait_tensor" and self.landing_tensors and \
                 isinstance(args[0], torch.Tensor) and _followed(args[0]):
             out = func(*args, **kwargs)
