@@ -291,9 +291,11 @@ class Sources:
         if (runs := _runs(t)) is not None:
             for a, b in runs:
                 self._replace(a, b, numbers, storage)
-        else:  # which of its bytes it wrote is not followed: each may hold what it held, or these
+        else:  # which of its bytes it wrote is not followed: each may hold what it held, or these (a landing mark
+            # kept as it is, to land on what holds it)
+            landing = numbers and min(numbers) < CONSTANT
             for a, b, old in self._held(*extent, storage):
-                self._replace(a, b, _joined(old | numbers), storage)
+                self._replace(a, b, old | numbers if landing else _joined(old | numbers), storage)
 
     def moving(self, storages, run):
         """Run what may move storages' bytes (`run()`: a resize, which copies what fits into new memory, or an op that
