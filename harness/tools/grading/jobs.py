@@ -13,6 +13,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import math
 import weakref
@@ -214,6 +215,22 @@ def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
 # copy-outs (`_sets_every_element`).
 
 
+@contextlib.contextmanager
+def uncollected():
+    """No garbage collection inside: the log's bookkeeping outside its dispatch (a gate's, a wait's) reads, then
+    writes, what bytes hold, and a collection between would run the program's weakref callbacks and finalizers
+    there (a program can count its allocations to the one that collects), whose writes the bookkeeping would then
+    overwrite. CommLog's dispatch does the same, inline."""
+    collecting = gc.isenabled()
+    if collecting:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 class Sources:
     """The all-gathers whose data each byte range of memory holds, and the model's leaves' parameters (see [Note:
     where the model's parameters came from]): one rank's, under a drawn mark."""
@@ -324,7 +341,8 @@ class Sources:
         def resize(storage, *args, **kwargs):
             if not isinstance(storage, torch.UntypedStorage):
                 return plain(storage, *args, **kwargs)
-            return self.moving((storage,), lambda: plain(storage, *args, **kwargs))
+            with uncollected():
+                return self.moving((storage,), lambda: plain(storage, *args, **kwargs))
         return resize
 
     def gathered(self, outputs: list[torch.Tensor]) -> tuple[int, list]:
@@ -348,6 +366,10 @@ class Sources:
         """A wait for all-gather `number` returned: the bytes of its outputs that still hold its landing mark, wherever
         their storages are now, hold its data."""
         mark, data = _landing(number), frozenset((number,))
+        with uncollected():  # what it found marked is what it labels (see `uncollected`)
+            self._land(mark, data, regions)
+
+    def _land(self, mark: frozenset, data: frozenset, regions: list) -> None:
         for ref, token, runs in regions:
             if (storage := ref()) is None or self._token(storage) != token or not (base := storage.data_ptr()):
                 continue
@@ -359,7 +381,7 @@ class Sources:
 
     def called(self, module: nn.Module) -> None:
         """The model called one of its leaves: its parameters as it is called are the ones to follow."""
-        with torch._C.DisableTorchFunctionSubclass():  # as the log reads tensors
+        with torch._C.DisableTorchFunctionSubclass(), uncollected():  # as the log reads tensors
             for p in module._parameters.values():
                 if isinstance(p, torch.Tensor) and _followed(p):
                     on = self.params.setdefault(p.untyped_storage()._cdata, [])
@@ -602,9 +624,18 @@ class CommLog(TorchDispatchMode):
                for t in types):
             return NotImplemented
         # What the log reads of a tensor (its size, strides, storage) it reads as torch's own: a class of torch's
-        # (an uninitialized buffer) may refuse such reads in Python
-        with torch._C.DisableTorchFunctionSubclass():
-            return self._dispatch(func, args, kwargs or {})
+        # (an uninitialized buffer) may refuse such reads in Python. No garbage collection meanwhile: this mode is
+        # off while it handles an op, and a collection would run the program's weakref callbacks and finalizers
+        # here, their ops unseen (a program can count its allocations to the one that collects).
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                return self._dispatch(func, args, kwargs or {})
+        finally:
+            if collecting:
+                gc.enable()
 
     def _dispatch(self, func, args, kwargs):
         ns, name = func.namespace, func.__name__.split(".")[0]
