@@ -514,7 +514,6 @@ def _sets_every_element(func, args, kwargs) -> bool:
     self, aten, packet = args[0], torch.ops.aten, func.overloadpacket
     if not isinstance(self, torch.Tensor) or self.numel() == 0:
         return False
-    one = torch.ones((), dtype=torch.bool, device=self.device)
     try:
         if packet in (aten.masked_scatter_, aten.masked_scatter):  # (self, mask, source)
             return bool(args[1].all())
@@ -532,7 +531,7 @@ def _sets_every_element(func, args, kwargs) -> bool:
             if not isinstance(index, torch.Tensor) or index.numel() < rows:
                 return False
             hit = torch.zeros(rows, dtype=torch.bool, device=self.device)
-            aten.index_put_.default(hit, [index.reshape(-1)], one)
+            aten.index_put_.default(hit, [index.reshape(-1)], torch.ones((), dtype=torch.bool, device=self.device))
             return bool(hit.all())
         if args[3] if len(args) > 3 else kwargs.get("accumulate", False):  # index_put: (self, indices, values, accumulate)
             return False  # a sum with what was there
@@ -542,7 +541,7 @@ def _sets_every_element(func, args, kwargs) -> bool:
             shape += [1] if index is None else self.shape[at:at + taken]
             at += taken
         hit = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        aten.index_put_.default(hit, list(args[1]), one)
+        aten.index_put_.default(hit, list(args[1]), torch.ones((), dtype=torch.bool, device=self.device))
     except (RuntimeError, IndexError, TypeError):
         return False  # not an index the op takes: it says so itself
     return bool(hit.all())
