@@ -374,6 +374,10 @@ OUTSIDE = {
     "own_storage": ("import torch\ns = torch.UntypedStorage(64)\n", 2, "an FSDP's storages are its tensors'"),
     "typed_storage": ("import torch\ns = torch.FloatStorage(16)\n", 2, "an FSDP's storages are its tensors'"),
     "storage_byteswap": ("def f(s):\n    s.byteswap(float)\n", 2, "an FSDP's storages are its tensors'"),
+    "process_group_destroyed": ("import torch.distributed as dist\ndist.destroy_process_group()\n", 2,
+                                "the process group is set up before the FSDP runs"),
+    "logger_level": ("import logging\nlogging.getLogger().setLevel(logging.CRITICAL)\n", 2,
+                     "changes no process-wide setting"),
     "generator_state": ("import torch\ndef f(g, state):\n    g.set_state(state)\n", 3, "draws no random numbers"),
     # The attribute builtins with their arguments unpacked, which the name checks never saw.
     "getattr_unpacked": ("import torch\ng = getattr(*(torch.Tensor, 'x'))\n", 2, "with its arguments unpacked"),

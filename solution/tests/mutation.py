@@ -962,6 +962,22 @@ SOURCE_REFUSALS.update({
     'disable-a-torch-class': 'hands `type(nn.Linear(1, 1))`, a class, to `torch.compiler.disable`',
     'set-submodule-on-a-class': 'calls `nn.Module.set_submodule` through its class',
 })
+# The data following's rounds and this boundary pass: bytes rewritten where no op shows it, a generator's state set
+# from data, the grader's process group torn down on import, its logging silenced.
+SOURCE_CHEATS.update({
+    'own-storage-byteswap': 'import torch\n\n\ndef swap(n):\n    s = torch.UntypedStorage(n)\n'
+                            '    s.byteswap(torch.float64)\n    return s\n',
+    'generator-state-from-data': 'import torch\n\n\ndef draw(g, state, t):\n    g.set_state(state)\n'
+                                 '    return t.random_(generator=g)\n',
+    'process-group-destroyed-on-import': 'import torch.distributed as dist\n\ndist.destroy_process_group()\n',
+    'grader-logging-silenced': 'import logging\n\nlogging.getLogger().setLevel(logging.CRITICAL)\n',
+})
+SOURCE_REFUSALS.update({
+    'own-storage-byteswap': 'uses `UntypedStorage`',
+    'generator-state-from-data': 'uses `set_state`',
+    'process-group-destroyed-on-import': 'uses `destroy_process_group`',
+    'grader-logging-silenced': 'uses `setLevel`',
+})
 CHEATS.update(SOURCE_CHEATS)
 
 

@@ -121,7 +121,7 @@ ADVICE = {
                      "CUDAPluggableAllocator", "change_current_allocator", "breakpoint"), _CODE),
     **dict.fromkeys(("globals", "locals", "vars", "_getframe", "currentframe", "gc", "ctypes", "inspect", "mro"),
                     _ARGS),
-    **dict.fromkeys(("init_process_group", "new_group", "rendezvous", "ProcessGroupGloo", "ProcessGroupNCCL",
+    **dict.fromkeys(("init_process_group", "destroy_process_group", "abort_process_group", "new_group", "rendezvous", "ProcessGroupGloo", "ProcessGroupNCCL",
                      "ProcessGroupMPI", "ProcessGroupUCC", "ProcessGroupXCCL", "FakeProcessGroup",
                      "ProcessGroupWrapper", "get_group_store", "Store"),
                     "the process group is set up before the FSDP runs (a store is a file or a socket): use the "
@@ -166,7 +166,8 @@ ADVICE = {
                      "reset_max_memory_cached", "reset_peak_host_memory_stats", "default_generator",
                      "manual_seed_all", "seed_all", "set_rng_state_all", "fork_rng", "initial_seed", "chdir",
                      "seed", "set_deterministic_debug_mode", "set_autocast_ipu_dtype", "set_autocast_ipu_enabled",
-                     "set_autocast_xla_dtype", "set_autocast_xla_enabled", "set_printoptions", "set_vital"),
+                     "set_autocast_xla_dtype", "set_autocast_xla_enabled", "set_printoptions", "set_vital",
+                     "setLevel", "addFilter", "removeFilter", "removeHandler"),
                     "an FSDP changes no process-wide setting, registry or filter (train.py sets them): use "
                     "`with torch.no_grad():` where gradients must not be recorded"),
     # Ops hidden from the dispatcher's Python modes, where the collective log and its FSDP2 check run.
