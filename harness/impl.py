@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import hashlib
 import importlib
 import importlib.util
@@ -69,7 +70,10 @@ def load(impl: str) -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         store, delete = _guarded(setattr, name), _guarded(delattr, name)
         guarded_type = _guarded_type(name)
-        module.__dict__.update(setattr=store, delattr=delete, type=guarded_type,
+        guards = {"setattr": store, "delattr": delete, "type": guarded_type}
+        # the guards in the file's own builtins too: a name the file's code deleted from its globals (what an
+        # `except ... as setattr` does when its block ends) falls back to them, not to Python's
+        module.__dict__.update(guards, __builtins__={**vars(builtins), **guards},
                                **{_STORE: store, _DELETE: delete, _CLASS: _class_of(guarded_type),
                                   "__effdl_operator__": operator})
         sys.modules[name] = module
@@ -263,6 +267,27 @@ class _GuardStores(ast.NodeTransformer):
         if node.attr == "__class__" and isinstance(node.ctx, ast.Load):
             return ast.copy_location(ast.Call(ast.Name(_CLASS, ast.Load()), [node.value], []), node)
         return node
+
+    def unguarded(self, target: ast.expr | None) -> None:
+        """A loop's, a with's or a comprehension's target stores past this rewrite: no attribute there."""
+        if target is not None and (stored := next((t for t in ast.walk(target) if isinstance(t, ast.Attribute)), None)):
+            raise TypeError(f"line {stored.lineno}: a file under test stores into `{ast.unparse(stored)}` as the "
+                            "target of a for, a with or a comprehension: bind a plain name there and assign the "
+                            "attribute in the body")
+
+    def visit_For(self, node: ast.For | ast.AsyncFor):
+        self.unguarded(node.target)
+        return self.generic_visit(node)
+
+    visit_AsyncFor = visit_For
+
+    def visit_withitem(self, node: ast.withitem):
+        self.unguarded(node.optional_vars)
+        return self.generic_visit(node)
+
+    def visit_comprehension(self, node: ast.comprehension):
+        self.unguarded(node.target)
+        return self.generic_visit(node)
 
     def visit_Delete(self, node: ast.Delete):
         self.generic_visit(node)

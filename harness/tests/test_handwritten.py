@@ -278,6 +278,19 @@ OUTSIDE = {
     "context_held_by_a_generator": ("import torch\ndef g():\n    with torch.no_grad():\n        yield\n", 4,
                                     "yields inside a `with` block of a generator"),
     "type_rebound": ("type = 1\n", 1, "binds the name `type`"),
+    # an except target is deleted when its block ends, and the loader's guard of that name with it
+    "setattr_as_exception": ("try:\n    pass\nexcept ValueError as setattr:\n    pass\n", 3, "binds the name `setattr`"),
+    "type_as_exception_group": ("try:\n    pass\nexcept* ValueError as type:\n    pass\n", 3, "binds the name `type`"),
+    "builtins_as_exception": ("try:\n    pass\nexcept ValueError as __builtins__:\n    pass\n", 3,
+                              "binds `__builtins__`"),
+    "self_matching_rebound": ("class P:\n    pass\ndef f(x):\n    bool = P\n    match x:\n        case bool(v):\n"
+                              "            return v\n", 6, "matches `bool(...)` by position"),
+    "attribute_as_loop_target": ("class A:\n    pass\na = A()\nfor a.x in (1, 2):\n    pass\n", 4,
+                                 "stores into `a.x` as the target of a for"),
+    "attribute_as_with_target": ("import contextlib\nclass A:\n    pass\na = A()\n"
+                                 "with contextlib.nullcontext(1) as a.x:\n    pass\n", 5, "assign the attribute in the body"),
+    "attribute_as_comprehension_target": ("class A:\n    pass\na = A()\nb = [1 for a.x in (1, 2)]\n", 4,
+                                          "stores into `a.x` as the target of a for, a with or a comprehension"),
     "warning_from_any_file": ("import warnings\nwarnings.warn_explicit('x', UserWarning, '/etc/passwd', 1)\n", 2,
                               "uses `warn_explicit`"),
     "stderr_redirected": ("import contextlib\nwith contextlib.redirect_stderr(None):\n    pass\n", 2,
@@ -483,6 +496,18 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
     assert handwritten.static_problem(renamed) is None
     with pytest.raises(TypeError, match="changes the class of modules only"):
         impl.load(str(renamed)).run(torch.ones(1, requires_grad=True))
+    # the guards are the file's builtins too: a name deleted from its globals (an except target's end) finds them
+    unbound = tmp_path / "unbound.py"
+    unbound.write_text(head + "try:\n    raise ValueError\nexcept ValueError as setattr:\n    pass\n"
+                              "name = 'grader_' + 'marker'\nfor c in (torch.zeros(1).__class__,):\n    setattr(c, name, 1)\n")
+    with pytest.raises(TypeError, match="never torch's or Python's classes"):
+        impl.load(str(unbound))
+    assert not hasattr(torch.Tensor, "grader_marker")
+    looped = tmp_path / "looped.py"  # a store the rewrite cannot put through the guard is refused on import
+    looped.write_text(head + "for torch.zeros(1).__class__.grader_marker in (1,):\n    pass\n")
+    with pytest.raises(TypeError, match="as the target of a for, a with or a comprehension"):
+        impl.load(str(looped))
+    assert not hasattr(torch.Tensor, "grader_marker")
     module = impl.load(str(honest))
     assert module.m.extra.shape == (2, 2) and module.mine.extra == 1 and module.mine.count == 3
     assert (module.m.weight == 1).all() and module.mine.b == 2 and module.m.c == 3 and not hasattr(module.mine, "a")

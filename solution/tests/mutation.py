@@ -978,6 +978,22 @@ SOURCE_REFUSALS.update({
     'process-group-destroyed-on-import': 'uses `destroy_process_group`',
     'grader-logging-silenced': 'uses `setLevel`',
 })
+# The twenty-seventh round's: the loader's guards shed by binding their names where the check did not look (an except
+# target, deleted with the guard when its block ends), a class the check trusts rebound, and a store past the guard.
+SOURCE_CHEATS.update({
+    'guard-shed-by-an-except-target': 'import torch\n\ntry:\n    raise ValueError\nexcept ValueError as setattr:\n'
+                                      '    pass\nname = "grader_" + "marker"\nfor c in (torch.zeros(1).__class__,):\n'
+                                      '    setattr(c, name, 1)\n',
+    'self-matching-class-rebound': 'class Peek:\n    pass\n\n\ndef read(obj):\n    bool = Peek\n    match obj:\n'
+                                   '        case bool(v):\n            return v\n',
+    'store-as-a-loop-target': 'import torch\n\n\ndef fake(*args):\n    return 0\n\n\n'
+                              'for torch.zeros(1).__class__.sum in (fake,):\n    pass\n',
+})
+SOURCE_REFUSALS.update({
+    'guard-shed-by-an-except-target': 'binds the name `setattr`',
+    'self-matching-class-rebound': 'matches `bool(...)` by position',
+    'store-as-a-loop-target': 'as the target of a for, a with or a comprehension',
+})
 CHEATS.update(SOURCE_CHEATS)
 
 

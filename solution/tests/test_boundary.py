@@ -132,6 +132,45 @@ def background_job(leader_exits: bool = False) -> int:
     return int(os.read(r, 32))
 
 
+def fork_chain_job(beat: str, seconds: float = 60.0) -> None:
+    """Leaves a chain of processes in a session of its own, each forking the next and exiting at once: none lives
+    long enough to be found by a reading of the processes one by one. It writes the time to `beat` (its heart
+    beat) now and then, and ends by itself after `seconds`."""
+    if os.environ["RANK"] == "0" and os.fork() == 0:
+        os.setsid()
+        # a small process (a rank's, torch's memory mapped, forks slowly enough to be found)
+        os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", CHAIN, beat, str(seconds)])
+
+
+CHAIN = """
+import os, sys, time
+beat, end, last = sys.argv[1], time.monotonic() + float(sys.argv[2]), 0.0
+while time.monotonic() < end:
+    if time.monotonic() - last > 0.01:
+        last = time.monotonic()
+        with open(beat, "w") as f:
+            f.write(str(time.time_ns()))
+    try:
+        if os.fork():
+            os._exit(0)
+    except OSError:  # out of processes for a moment: the next try
+        time.sleep(0.0005)
+"""
+
+
+def beats(path: Path) -> bool:
+    """Whether a chain writes its heart beat to `path` (within half a second)."""
+    def read() -> str:
+        try:
+            return path.read_text()
+        except OSError:
+            return ""
+
+    first = read()
+    time.sleep(0.5)
+    return read() not in ("", first)
+
+
 def plant_ipc_job(key: int, path: str) -> int:
     """Leaves what is no file (a System V shared memory segment) and a file in /run/lock; the segment's id."""
     import ctypes
@@ -320,6 +359,57 @@ def test_a_folder_closed_between_jobs_is_passable_again(ranks):
         os.chmod(ROOT, mode & 0o7777)
 
 
+def read_error_job(paths: list[str]) -> list[str]:
+    """What reading each path (a file's bytes, a folder's entries) raised, by its class's name ("" if nothing)."""
+    errors = []
+    for path in map(Path, paths):
+        try:
+            list(path.iterdir()) if path.is_dir() else path.read_bytes()
+            errors.append("")
+        except OSError as e:
+            errors.append(type(e).__name__)
+    return errors
+
+
+def test_what_a_rank_wrote_comes_back_within_bounds(tmp_path, monkeypatch):
+    """copy_back copies regular files only (a link is left where it is), a chunk at a time, and refuses a file over
+    MAX_FILE bytes and a run over MAX_BYTES in all, naming the bound."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.json").write_bytes(b"a" * 3000)
+    (src / "sub" / "b.json").write_bytes(b"b" * 3000)
+    (src / "link").symlink_to(src / "a.json")
+    sandbox.copy_back(src, dest)
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == ["a.json", "sub/b.json"]
+    assert (dest / "sub" / "b.json").read_bytes() == b"b" * 3000 and not (dest / "link").exists()
+    monkeypatch.setattr(sandbox, "MAX_FILE", 2000)
+    with pytest.raises(sandbox.SandboxError, match="wrote more than 2000 bytes"):
+        sandbox.copy_back(src, tmp_path / "dest2")
+    monkeypatch.setattr(sandbox, "MAX_FILE", 4000)
+    monkeypatch.setattr(sandbox, "MAX_BYTES", 5000)
+    with pytest.raises(sandbox.SandboxError, match="more than 5000 bytes in all"):
+        sandbox.copy_back(src, tmp_path / "dest3")
+
+
+@as_root
+def test_what_only_instructors_read_is_closed_to_a_submission(tmp_path):
+    """In the instructors' checkout (where `grade` runs as root) a rank under test cannot read the reference, the
+    second solution or the history that holds them; nor the folder of the other submissions (`grade` closes it)."""
+    hidden = [ROOT / p for p in sandbox.INSTRUCTORS_ONLY if (ROOT / p).exists()]
+    assert hidden, "no instructors' file in this checkout"
+    for path in hidden:  # as a fresh clone has them: the pool's start closes them
+        os.chmod(path, path.stat().st_mode & 0o7777 | (0o005 if path.is_dir() else 0o004))
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    (batch / "other.py").write_text("x = 1\n")
+    os.chmod(batch, 0o755)
+    sandbox.hide(batch)
+    with RankPool(1, role="sandboxed") as pool:
+        got = pool.run(read_error_job, [str(p) for p in hidden] + [str(batch / "other.py"), str(ROOT / "train.py")],
+                       timeout=60)[0]
+    assert got == ["PermissionError"] * (len(hidden) + 1) + [""], got
+
+
 @as_root
 @pytest.mark.parametrize("leader_exits", [False, True])
 def test_background_process_does_not_outlive_its_pool(leader_exits):
@@ -332,6 +422,20 @@ def test_background_process_does_not_outlive_its_pool(leader_exits):
     pool.close()
     assert not [pid for pid in left if psutil.pid_exists(pid) and sandbox.any_thread_runs(pid)]
     assert not sandbox_processes(), sandbox_processes()
+
+
+@as_root
+def test_a_chain_of_processes_does_not_outlive_its_pool():
+    """A chain of processes that each fork the next and exit (always a step ahead of a reading of the processes)
+    is gone once the pool closes: the sweep stops every process of the sandbox user while it reads them."""
+    beat = Path(f"/dev/shm/fsdp-chain-{uuid.uuid4().hex}")
+    pool = RankPool(2, role="sandboxed")
+    try:
+        pool.run(fork_chain_job, str(beat), timeout=60)
+        assert beats(beat), "the chain is not running"
+    finally:
+        pool.close()
+    assert not beats(beat), "the chain outlived its pool"
 
 
 @as_root

@@ -455,6 +455,7 @@ class _Check:
                          key=_position)
         refused = next(((node, p) for node in imports if (p := self.import_problem(node))), None)
         self.collect_own_names()
+        self.bound = set(_bindings(self.tree))  # every name the file binds (a builtin class's name rebound too)
         self.lookup_problems = {id(node): self.given_lookup_problem(node) for node in ast.walk(self.tree)
                                 if isinstance(node, ast.FunctionDef) and node.name == GIVEN_LOOKUP_NAME}
         # In the order of the source, an inner expression before the one around it: `torch.os.system`
@@ -916,14 +917,22 @@ class _Check:
                 isinstance(node, ast.Attribute) and node.attr == "__module__" and not isinstance(node.ctx, ast.Load):
             return Outside(f"{where} sets `__module__`: a class or function of the file belongs to the file "
                            "(enum and others act on the module it names)")
-        bound = node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.MatchAs,
-                                               ast.MatchStar)) else \
-            node.rest if isinstance(node, ast.MatchMapping) else node.arg if isinstance(node, ast.arg) else \
-            (node.asname or node.name) if isinstance(node, ast.alias) else None
-        if bound in GUARDED_BUILTINS:
-            return self.rebinds(node, bound)
-        if isinstance(node, (ast.Global, ast.Nonlocal)) and (names := set(node.names) & set(GUARDED_BUILTINS)):
-            return self.rebinds(node, sorted(names)[0])
+        # Every way a name is bound (an `except ... as` target is deleted again when its block ends, and with it
+        # the loader's guard of that name): never one the check trusts to be Python's own.
+        for bound in _bound(node):
+            if bound in GUARDED_BUILTINS:
+                return self.rebinds(node, bound)
+            if not isinstance(node, (ast.Name, ast.FunctionDef, ast.AsyncFunctionDef)) and _dunder(bound) \
+                    and bound not in ALLOWED_DUNDERS:
+                return Outside(f"{where} binds `{bound}`, a name Python and the loader give the file: name yours "
+                               "otherwise")
+        # An attribute stored as a loop's, a with's or a comprehension's target is written past the loader's guard of
+        # attribute writes (which rewrites assignments): a plain name there, the attribute assigned in the body.
+        target = node.target if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)) else \
+            node.optional_vars if isinstance(node, ast.withitem) else None
+        if target is not None and (stored := next((t for t in ast.walk(target) if isinstance(t, ast.Attribute)), None)):
+            return Outside(f"{self.where(stored)} stores into `{ast.unparse(stored)}` as the target of a for, a with or "
+                           "a comprehension: bind a plain name there and assign the attribute in the body")
         # What a name or attribute chain read here is (resolved once for the rules below; None if not torch's or
         # Python's).
         value = self.resolve(node) if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) \
@@ -1029,7 +1038,7 @@ class _Check:
             return None
         if isinstance(node, ast.MatchClass):  # `case C(attr=x)` reads x = subject.attr
             if node.patterns and not (isinstance(node.cls, ast.Name) and node.cls.id in SELF_MATCHING
-                                      and len(node.patterns) == 1):
+                                      and node.cls.id not in self.bound and len(node.patterns) == 1):
                 return Outside(f"{where} matches `{ast.unparse(node.cls)}(...)` by position, which reads the attributes "
                                "the class's __match_args__ name (whatever a class made at run time says): match by "
                                "keyword, case C(attr=x)")
@@ -1040,8 +1049,6 @@ class _Check:
 
     def name_problem(self, node: ast.Name) -> str | None:
         where = self.where(node)
-        if node.id in GUARDED_BUILTINS and not isinstance(node.ctx, ast.Load):
-            return self.rebinds(node, node.id)
         if node.id in REFUSED_BUILTINS or node.id in _FSDP2_NAMES:
             return _refuse(f"{where} uses `{node.id}`", node.id)
         if _dunder(node.id) and node.id not in ALLOWED_DUNDERS:
@@ -1209,26 +1216,28 @@ def _bindings(tree: ast.Module) -> dict[str, list[ast.AST]]:
     imports, except/match/with targets, global and nonlocal declarations)."""
     found: dict[str, list[ast.AST]] = {}
     for node in ast.walk(tree):
-        names: list[str] = []
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            names = [node.id]
-        elif isinstance(node, ast.arg):
-            names = [node.arg]
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names = [node.name]
-        elif isinstance(node, ast.alias):
-            names = [node.asname or node.name.split(".")[0]]
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            names = list(node.names)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            names = [node.name]
-        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
-            names = [node.name]
-        elif isinstance(node, ast.MatchMapping) and node.rest:
-            names = [node.rest]
-        for name in names:
+        for name in _bound(node):
             found.setdefault(name, []).append(node)
     return found
+
+
+def _bound(node: ast.AST) -> list[str]:
+    """The names one node binds."""
+    if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+        return [node.id]
+    if isinstance(node, ast.arg):
+        return [node.arg]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, ast.alias):
+        return [node.asname or node.name.split(".")[0]]
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return list(node.names)
+    if isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+        return [node.name]
+    if isinstance(node, ast.MatchMapping) and node.rest:
+        return [node.rest]
+    return []
 
 
 def _position(node: ast.AST) -> tuple[int, int, int, int]:

@@ -36,6 +36,8 @@ USER = "fsdp-sandbox"
 MAX_FILE = 1 << 30
 """bytes of one file a sandboxed rank wrote that the grader copies back (a trace is megabytes)"""
 MAX_FILES = 4096
+MAX_BYTES = 4 << 30
+"""bytes of all the files one job of a sandboxed rank wrote that the grader copies back (a profiled run: tens of MB)"""
 MAX_PROCESSES = 4096
 """processes and threads the sandbox user may hold at once (RLIMIT_NPROC), every pool's ranks together"""
 
@@ -112,7 +114,10 @@ class Private:
     def make(cls) -> Private:
         uid, gid = account() if wanted() else (None, None)
         if uid is not None:
+            from harness.impl import ROOT
+
             reachable()
+            hide(*(ROOT / path for path in INSTRUCTORS_ONLY))
         root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_roots`
         try:
             for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
@@ -246,6 +251,29 @@ def reachable(*more: Path) -> None:
                       f"{USER} can import Python's library from under it", file=sys.stderr, flush=True)
 
 
+INSTRUCTORS_ONLY = ("solution/fsdp.py", "solution/tests/variant_fsdp.py", ".git")
+"""what the repository may hold that no file under test reads: the reference, the second solution, and the history
+holding both (the instructors' checkout, where `grade` runs; a released copy and the Gradescope bundle have none)"""
+
+
+def hide(*paths: Path) -> None:
+    """Close each path to other users (o-rwx), so the sandbox user can neither read nor enter it, said once on
+    stderr per path changed. Never a folder every user shares, nor one above what a rank imports."""
+    from harness.impl import ROOT
+
+    above = {p for top in (Path(sys.prefix), ROOT) for p in (top.resolve(), *top.resolve().parents)}
+    for path in paths:
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode) or not mode & 0o007 or path.resolve() in above or str(path.resolve()) in SHARED_FOLDERS:
+            continue
+        os.chmod(path, stat.S_IMODE(mode) & ~0o007)
+        print(f"sandbox: {path} is now closed to other users (o-rwx), so that no file under test run as {USER} reads "
+              "it", file=sys.stderr, flush=True)
+
+
 def environment(grader: dict[str, str], private: Private) -> dict[str, str]:
     """A sandboxed rank's environment: of the grader's (tokens, its own paths) only what configures
     the run (KEPT, KEPT_PREFIXES), and its caches in its private home, not where root's are (the
@@ -309,11 +337,11 @@ def enter(private: Private) -> None:
 def copy_back(src: Path, dest: Path) -> None:
     """Copy the regular files under `src` (a folder a sandboxed rank wrote) to `dest`: links and
     anything but regular files and folders skipped, each file opened without following a link and
-    at most MAX_FILE bytes, at most MAX_FILES files."""
-    count = 0
+    at most MAX_FILE bytes, at most MAX_FILES files and MAX_BYTES in all, copied a chunk at a time."""
+    count = total = 0
 
     def walk(dir_fd: int, into: Path) -> None:
-        nonlocal count
+        nonlocal count, total
         into.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(dir_fd):
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -331,10 +359,16 @@ def copy_back(src: Path, dest: Path) -> None:
                 with os.fdopen(fd, "rb") as f:
                     if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                         continue
-                    data = f.read(MAX_FILE + 1)
-                if len(data) > MAX_FILE:
-                    raise SandboxError(f"{into / name}: the run under test wrote more than {MAX_FILE} bytes")
-                (into / name).write_bytes(data)
+                    with open(into / name, "wb") as out:
+                        size = 0
+                        while chunk := f.read(1 << 20):
+                            size, total = size + len(chunk), total + len(chunk)
+                            if size > MAX_FILE:
+                                raise SandboxError(f"{into / name}: the run under test wrote more than {MAX_FILE} "
+                                                   "bytes")
+                            if total > MAX_BYTES:
+                                raise SandboxError(f"the run under test wrote more than {MAX_BYTES} bytes in all")
+                            out.write(chunk)
 
     fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -379,11 +413,37 @@ def any_thread_runs(pid: int) -> bool:
     return False
 
 
+_SIGNAL_EVERY = """
+import os, sys
+try:
+    os.kill(-1, int(sys.argv[1]))  # every process this user may signal, but this one
+except ProcessLookupError:
+    pass
+"""
+
+
+def _signal_every(uid: int, gid: int, sig: int) -> bool:
+    """Send `sig` to every process of the sandbox user at once, from a process of that user (kill(-1) is one
+    system call, which no fork outruns: a child forked meanwhile gets the signal too). Whether it was sent."""
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", _SIGNAL_EVERY, str(int(sig))], user=uid, group=gid,
+                              extra_groups=[], env={"PATH": os.defpath}, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
 def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
     """As root: kill the given ranks and every process of the sandbox user that descends from them
     or lost its parent (re-parented to pid 1: forked into the background by a rank), until none is
     left; the ranks of other live pools (children of a forkserver, itself root's) stay. Returns
-    the pids killed. Not root: kills the ranks only."""
+    the pids killed. Not root: kills the ranks only.
+
+    Every process of the sandbox user is stopped while the processes are read and the doomed killed
+    (`_signal_every`), then the rest continue: read one by one, a chain of processes that each fork the next
+    and exit would always be a step ahead of the reading (a red-team file's outlived its grading so, and
+    killed a later submission's ranks)."""
     import signal
 
     killed: list[int] = []
@@ -396,29 +456,36 @@ def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
     if not wanted():
         return killed
     try:
-        uid, _ = account()
+        uid, gid = account()
     except SandboxError:
         return killed
     doomed = set(ranks)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        procs = _sandboxed(uid)
-        roots = {pid for pid, parent in procs.items() if parent <= 1 or parent in doomed}
-        tree, grew = set(roots), True
-        while grew:
-            grew = False
-            for pid, parent in procs.items():
-                if parent in tree and pid not in tree:
-                    tree.add(pid)
-                    grew = True
+        frozen = _signal_every(uid, gid, signal.SIGSTOP)
+        try:
+            procs = _sandboxed(uid)
+            roots = {pid for pid, parent in procs.items() if parent <= 1 or parent in doomed}
+            tree, grew = set(roots), True
+            while grew:
+                grew = False
+                for pid, parent in procs.items():
+                    if parent in tree and pid not in tree:
+                        tree.add(pid)
+                        grew = True
+            # unfrozen (the user's processes could not be stopped at once), each stopped first, so that none
+            # forks while the rest die
+            for sig in (signal.SIGKILL,) if frozen else (signal.SIGSTOP, signal.SIGKILL):
+                for pid in tree:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+        finally:
+            if frozen:
+                _signal_every(uid, gid, signal.SIGCONT)  # other live pools' ranks go on
         if not tree:
             return killed
-        for sig in (signal.SIGSTOP, signal.SIGKILL):  # stopped first, so none forks while the rest die
-            for pid in tree:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
         killed += sorted(tree)
         doomed |= tree
         time.sleep(0.05)

@@ -140,6 +140,8 @@ def main(args: Args) -> None:
     writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")  # "rows": the table, not a column
     writer.writeheader()
     pictures = args.pictures or (args.out.parent / f"{args.out.stem}-pictures" if args.out else None)
+    if args.submissions.is_dir() and sandbox.wanted():
+        sandbox.hide(args.submissions)  # no submission reads another's (each is graded from a copy of its own)
     similar = similarity.check(files)  # seconds, no test run: each row gets its columns as it is written
     for path in files:
         print(f"grading {path}", file=sys.stderr, flush=True)
