@@ -158,6 +158,18 @@ class _TypeCheck(type):
         return issubclass(sub, type)
 
 
+class _TypeAnnotation:
+    """`type[X]` as the guarded type gives it: an annotation, which no call makes into Python's own type."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item):
+        self.item = item
+
+    def __repr__(self) -> str:
+        return f"type[{self.item!r}]"
+
+
 def _guarded_type(own: str):
     import torch
 
@@ -165,8 +177,8 @@ def _guarded_type(own: str):
         return TypeError(f"type(...): {why}")
 
     class type_(type, metaclass=_TypeCheck):
-        def __class_getitem__(cls, item):  # type[X] in an annotation
-            return type[item]
+        def __class_getitem__(cls, item):  # type[X] in an annotation: nothing to call (Python's type[X] calls type)
+            return _TypeAnnotation(item)
 
         def __new__(mcs, *args):
             if len(args) == 1:

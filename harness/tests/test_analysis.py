@@ -885,6 +885,27 @@ def test_an_all_gathers_data_lands_at_its_wait():
     assert found == [{none}, {none}, {number}, {second[0]}], found
 
 
+def test_an_index_or_a_mask_is_none_of_what_an_op_copies_out():
+    """An integer index or a boolean mask says which values an op takes, not what they are: a copy-out through
+    index_select, gather, take or masked_select holds the all-gather's data however the index was made
+    (torch.tensor(rows) as arange); a value an op computes with (a scale made by torch.tensor) still counts."""
+    import torch
+
+    from harness.tools.grading.jobs import CommLog
+
+    log = CommLog("## model compute 12 ##")
+    none = schedule.NONE_GATHERED
+    with log:
+        out = torch.empty(2, 8)
+        number, regions = log.sources.gathered([out])
+        log.sources.landed(number, regions)
+        rows, mask = torch.tensor([1, 0]), torch.tensor([True] * 8)
+        found = [log.sources.held(t) for t in (
+            out.index_select(0, rows), out.gather(0, torch.tensor([[1] * 8, [0] * 8])), out.take(torch.tensor([3, 1])),
+            out[rows], out[0].masked_select(mask), torch.where(mask, out[0], out[1]), out * torch.tensor(2.0))]
+    assert found == [{number}] * 6 + [{none, number}], found
+
+
 def test_a_parameter_holds_its_own_groups_gathered_data():
     """The graded check of the reads above: each read of a leaf's parameters in the phase held data of its own group's
     all-gathers only, and in each pass of each step as many reads as FSDP2's held data from the passes FSDP2's did (a

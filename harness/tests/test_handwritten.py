@@ -285,6 +285,15 @@ OUTSIDE = {
                               "binds `__builtins__`"),
     "self_matching_rebound": ("class P:\n    pass\ndef f(x):\n    bool = P\n    match x:\n        case bool(v):\n"
                               "            return v\n", 6, "matches `bool(...)` by position"),
+    "typing_hands_out_type": ("import typing\nt = typing.get_origin(typing.Type[int])\n", 2, "uses `get_origin`"),
+    "typed_dict_keys": ("import typing\nD = typing.TypedDict('D', {'x': int})\n", 2, "uses `TypedDict`"),
+    "own_class_rebound": ("import typing\nclass Base:\n    pass\nBase = typing.NamedTuple('B', [('x', int)])\n", 4,
+                          "binds `Base`, the name of a class the file defines"),
+    "own_function_name_rebound": ("import torch\nfrom torch import nn\ndef k(x):\n    return x\n"
+                                  "def f(m, k=torch.compiler.disable):\n    return k(type(m))\n", 6,
+                                  "hands `type(m)`, a class, to `k`"),
+    "class_handed_by_name": ("import torch\nfrom torch import nn\nc = type(nn.Linear(1, 1))\ntorch.compiler.disable(c)\n",
+                             4, "hands `c`, a class, to `torch.compiler.disable`"),
     "attribute_as_loop_target": ("class A:\n    pass\na = A()\nfor a.x in (1, 2):\n    pass\n", 4,
                                  "stores into `a.x` as the target of a for"),
     "attribute_as_with_target": ("import contextlib\nclass A:\n    pass\na = A()\n"
@@ -503,6 +512,10 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
     with pytest.raises(TypeError, match="never torch's or Python's classes"):
         impl.load(str(unbound))
     assert not hasattr(torch.Tensor, "grader_marker")
+    aliased = tmp_path / "aliased.py"  # type[X] is an annotation: no call of it makes Python's own type
+    aliased.write_text(head + "T = type[int]\nX = T('X', (), {'__reduce__': print})\n")
+    with pytest.raises(TypeError, match="not callable"):
+        impl.load(str(aliased))
     looped = tmp_path / "looped.py"  # a store the rewrite cannot put through the guard is refused on import
     looped.write_text(head + "for torch.zeros(1).__class__.grader_marker in (1,):\n    pass\n")
     with pytest.raises(TypeError, match="as the target of a for, a with or a comprehension"):
@@ -524,7 +537,7 @@ def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):
     head = "import torch\nfrom torch import nn\n\n\ndef fully_shard(m):\n    return m\n\n\n" \
            "class MixedPrecisionPolicy:\n    pass\n\n\n"
     for n, (body, refusal) in enumerate([
-            ("c = type(0)\nmeta = c.__class__\nbase = type(torch.zeros(0))\nmeta('T', (base,), {})\n",
+            ("c = type(0)\nmeta = c.__class__\nbases = (type(torch.zeros(0)),)\nmeta('T', bases, {})\n",
              "derives from its own classes"),
             ("c = type(0)\nmeta = type(c)\nns = {}\nns['_' + '_match_args__'] = ('x',)\nmeta('A', (), ns)\n", "plain names"),
             ("c = type(0)\nmeta = type(c)\nns = {}\nns['_' + '_module__'] = 'torch.distributed'\nmeta('A', (), ns)\n",

@@ -11,6 +11,13 @@ from harness.tools.grading import handwritten
 # The FSDPState hooks the reference keeps out of compiled graphs (torch.compiler.disable).
 COMPILED_HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "final_callback")
 
+# The reference's post-backward: the previous group's reduce-scatter finished, then this group's issued and left running.
+_FINISH_THEN_ISSUE = ("        if ctx.pending_reduce is not None:\n"
+                      "            ctx.pending_reduce, pending = None, ctx.pending_reduce\n"
+                      "            pending.finish()\n"
+                      "        pending = self.group.reduce_scatter()\n"
+                      "        if pending is not None:\n"
+                      "            ctx.pending_reduce = pending\n")
 MUTANTS: dict[str, list[tuple[str, str]]] = {
     # Task 1's backward missing: the reduce-scatter is still a TODO (the forward works).
     "forward-only": [(
@@ -244,6 +251,27 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     # The last block's parameters kept from forward (a copy) and put in the parameters' place (`.data`) in every
     # second backward: that pass computes with forward's data, its reads of memory the model was never called with,
     # which the log does not see; the other backward passes are honest and read what FSDP2's do.
+    # Two reduce-scatters in flight (the previous one finished only after the next is issued), each said done early in
+    # the trace by an empty done range around a tag of the marks' name written by the program itself: the marks'
+    # names carry the run's secret, so such a tag is no tag.
+    "reduce-scatter-said-done-by-a-forged-tag": [(
+        "            if ctx.pending_reduce is not None and ctx.pending_reduce.done():\n"
+        "                ctx.pending_reduce, pending = None, ctx.pending_reduce\n"
+        "                pending.finish()\n",
+        "            if (said := ctx.pending_reduce) is not None and said.work is not None:\n"
+        "                with record_function(said.group.link_label(REDUCE_SCATTER_DONE_RANGE)):\n"
+        "                    with record_function(\"Work found done #\" + str(id(said.work))):\n"
+        "                        pass\n"), (
+        _FINISH_THEN_ISSUE,
+        "        if (said := ctx.pending_reduce) is not None and said.work is not None:\n"
+        "            with record_function(said.group.link_label(REDUCE_SCATTER_DONE_RANGE)):\n"
+        "                with record_function(\"Work found done #\" + str(id(said.work))):\n"
+        "                    pass\n"
+        "        previous = ctx.pending_reduce\n"
+        "        pending = self.group.reduce_scatter()\n"
+        "        if previous is not None:\n"
+        "            previous.finish()\n"
+        "        ctx.pending_reduce = pending\n")],
     "backward-alternately-reads-a-copy": [(
         "                if self.group.reshard_after_forward:\n"
         "                    self.group.reshard()\n",
@@ -274,12 +302,7 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     # Every reduce-scatter left running until the end of backward: each overlaps the compute after it, and every
     # group's gradient buffers are held at once (FSDP2 finishes the previous group's before issuing the next).
     "reduce-scatters-all-in-flight": [(
-        "        if ctx.pending_reduce is not None:\n"
-        "            ctx.pending_reduce, pending = None, ctx.pending_reduce\n"
-        "            pending.finish()\n"
-        "        pending = self.group.reduce_scatter()\n"
-        "        if pending is not None:\n"
-        "            ctx.pending_reduce = pending\n",
+        _FINISH_THEN_ISSUE,
         "        pending = self.group.reduce_scatter()\n"
         "        if pending is not None:\n"
         "            ctx.__dict__.setdefault(\"flying\", []).append(pending)\n"), (
@@ -860,7 +883,7 @@ SOURCE_REFUSALS: dict[str, str] = {
     "global-module-hook": '`register_module_forward_hook`',
     "bent-forward-method": "its code differs from the skeleton's",
     "given-lookup-guard": "binds `FSDPModule` again",
-    "given-lookup-wraps": "binds `functools` again",
+    "given-lookup-wraps": "binds `functools`, the name of a class the file defines",
     "given-lookup-abc": "`FSDPModule` must be bound once, by `class FSDPModule: (no base, keyword or decorator)`",
     'module-alias': 'passes the module torch.storage around',
     'method-from-class': 'takes `Patcher.install` from the class',
@@ -988,8 +1011,16 @@ SOURCE_CHEATS.update({
                                    '        case bool(v):\n            return v\n',
     'store-as-a-loop-target': 'import torch\n\n\ndef fake(*args):\n    return 0\n\n\n'
                               'for torch.zeros(1).__class__.sum in (fake,):\n    pass\n',
+    # the loader's type reached as Python's through typing, and a TypedDict's keys compiled into code by dataclass
+    'type-through-typing': 'import typing\n\nT = typing.get_origin(typing.Type[int])\n'
+                           'R = T("R", (), {"_" * 2 + "reduce" + "_" * 2: print})\n',
+    'typed-dict-keys-as-code': 'import dataclasses\nimport typing\n\n\nclass Keys:\n    pass\n\n\n'
+                               'Keys = typing.TypedDict("Keys", {"x = print": int})\n\n\n'
+                               '@dataclasses.dataclass\nclass Boom(Keys):\n    pass\n',
 })
 SOURCE_REFUSALS.update({
+    'type-through-typing': 'uses `get_origin`',
+    'typed-dict-keys-as-code': 'binds `Keys`, the name of a class the file defines',
     'guard-shed-by-an-except-target': 'binds the name `setattr`',
     'self-matching-class-rebound': 'matches `bool(...)` by position',
     'store-as-a-loop-target': 'as the target of a for, a with or a comprehension',

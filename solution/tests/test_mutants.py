@@ -175,6 +175,8 @@ def test_overlap_check_fails_two_groups_ahead_with_one_in_flight(mutant, pool2, 
     ("backward-alternately-reads-a-copy", ["backward"],
      r"rank 0, step \d+, backward pass \d: layers\.5\.[\w.]+'s parameters, as the model read them, held data of the "
      r"all-gathers of none in 0 reads; under FSDP2 of backward's \(this pass\) in \d+ reads?"),
+    ("reduce-scatter-said-done-by-a-forged-tag", ["backward"],
+     r"reduce-scatters in backward: 2 were in flight at once"),
     ("prefetch-second-block-first", ["forward"],
      r"all-gathers in forward: rank 0: issued for the groups in another order than FSDP2's \(number 2 of the profiled "
      r"steps': layers\.1's, under FSDP2 layers\.0's\)"),
@@ -185,8 +187,9 @@ def test_overlap_check_fails_when_a_collective_carries_another_groups_parameters
     parameters came from]), not by its name alone: two blocks' all-gathers issued under each other's names, or a
     block's parameters in backward copied out of its forward all-gather's buffer (a block held gathered from
     forward), or put in the parameters' place in every second backward (a pass the log does not see is not covered
-    by the honest ones), or read when synchronize() returned (at once on gloo: the data lands at a wait), fail; and with honest names, the names must come in FSDP2's order (the second block's
-    issued first)."""
+    by the honest ones), or read when synchronize() returned (at once on gloo: the data lands at a wait), fail; a
+    reduce-scatter said done by a tag the program wrote itself is still in flight; and with honest names, the names
+    must come in FSDP2's order (the second block's issued first)."""
     profiles = checks.profile_both(pool2, mutant(name), tmp_path / "profiles")
     for which in ("forward", "backward"):
         if which in fails:

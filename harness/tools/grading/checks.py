@@ -387,7 +387,8 @@ def assert_parameters_gathered(p: Profiles, phase: str) -> None:
                     "parameters are what its own all-gather brought, read once its work handle's wait() returned (not "
                     "when synchronize() did, nor from a tensor swapped for its output before), copied out as they are "
                     "(copy_, or an op's out=; an op that writes part of a tensor, index_copy_ or index_put_, keeps what "
-                    "the rest held; memory made by torch.empty or torch.tensor(values) holds no all-gather's data)")
+                    "the rest held; memory made by torch.empty or torch.tensor(values) holds no all-gather's data, but "
+                    "as an index or a mask)")
             if others := [g for g, _, _ in sources if g != group_of(leaf)]:
                 raise AssertionError(
                     f"{where} held data of the all-gather issued as " +

@@ -113,6 +113,10 @@ ADVICE = {
     **dict.fromkeys(("sys", "importlib", "import_module", "builtins", "__builtins__", "__import__",
                      "attrgetter", "methodcaller"), _COMPUTED),
     # Strings that become code (evaluated annotations included), and compiled or loaded code.
+    # typing's run-time forms that hand out Python's own type (get_origin(Type[X]), Type[X](...)) or make a class
+    # whose annotations, which dataclass compiles into code, come from any strings (TypedDict's functional form)
+    **dict.fromkeys(("get_origin", "Type", "TypedDict"),
+                    "annotate with the builtin names (type[X], dict[str, X]); typing's run-time forms are not needed"),
     **dict.fromkeys(("exec", "eval", "compile", "cpp_extension", "load_inline", "get_type_hints", "ForwardRef",
                      "singledispatch", "singledispatchmethod", "make_dataclass", "load_library", "CompilationUnit",
                      "import_ir_module", "import_ir_module_from_buffer", "parse_ir", "ScriptFunction",
@@ -445,6 +449,7 @@ class _Check:
         self.class_args: set[str] = set()  # the names their classmethods give their class (cls)
         self.own_functions: set[str] = set()  # the functions it defines outside classes
         self.foreign: set[str] = set()  # its variables bound to classes, modules or functions of torch or Python
+        self.class_vars: set[str] = set()  # those bound to the class of an object (`cls = type(x)`)
 
     def where(self, node: ast.AST) -> str:
         return f"{self.filename}:{getattr(node, 'lineno', '?')}"
@@ -455,7 +460,11 @@ class _Check:
                          key=_position)
         refused = next(((node, p) for node in imports if (p := self.import_problem(node))), None)
         self.collect_own_names()
-        self.bound = set(_bindings(self.tree))  # every name the file binds (a builtin class's name rebound too)
+        bindings = _bindings(self.tree)
+        self.bound = set(bindings)  # every name the file binds (a builtin class's name rebound too)
+        self.rebound = {name for name, nodes in bindings.items()  # bound by more than a def (a local of that name)
+                        if any(not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Global,
+                                                  ast.Nonlocal)) for n in nodes)}
         self.lookup_problems = {id(node): self.given_lookup_problem(node) for node in ast.walk(self.tree)
                                 if isinstance(node, ast.FunctionDef) and node.name == GIVEN_LOOKUP_NAME}
         # In the order of the source, an inner expression before the one around it: `torch.os.system`
@@ -551,6 +560,8 @@ class _Check:
                 targets, value = [node.target], node.value
             if value is not None and self.foreign_value(value):
                 self.foreign.update(t.id for t in targets if isinstance(t, ast.Name))
+            if value is not None and self.class_of_something(value):
+                self.class_vars.update(t.id for t in targets if isinstance(t, ast.Name))
 
     def resolve(self, node: ast.AST):
         """What an attribute chain rooted at an imported name is (None if it is not one)."""
@@ -823,16 +834,16 @@ class _Check:
         """The class of an object (`type(x)`, `x.__class__`) handed to torch's or Python's code, which may write
         onto what it is given (torch.compiler.disable(cls) replaces its methods): only read it in place."""
         func = node.func.id if isinstance(node.func, ast.Name) else None
-        if func in ("isinstance", "issubclass", "type", "id", "hash", "repr", "str", "print") or func in self.own_functions:
-            return None  # the file's own functions: call_problem's rule
+        if func in ("isinstance", "issubclass", "type", "id", "hash", "repr", "str", "print") or \
+                func in self.own_functions and func not in self.rebound:
+            return None  # the file's own functions (a name bound only by their def): call_problem's rule
         given = [*node.args, *(kw.value for kw in node.keywords)]
         for arg in list(given):
             inner = arg.value if isinstance(arg, ast.Starred) else arg
             if isinstance(inner, (ast.List, ast.Tuple, ast.Set)):
                 given += inner.elts
         for arg in given:
-            if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id == "type" or \
-                    isinstance(arg, ast.Attribute) and arg.attr == "__class__":
+            if self.class_of_something(arg) or isinstance(arg, ast.Name) and arg.id in self.class_vars:
                 return Outside(f"{self.where(node)} hands `{ast.unparse(arg)}`, a class, to `{ast.unparse(node.func)}`, "
                                "which may change it for the whole process: read a class in place (type(x).__name__, "
                                "isinstance(x, C)), and hand torch your own objects")
@@ -922,6 +933,11 @@ class _Check:
         for bound in _bound(node):
             if bound in GUARDED_BUILTINS:
                 return self.rebinds(node, bound)
+            # the check reads a class of the file by its name (a base): bound to anything else, the name would pass
+            # for it
+            if bound in self.own_classes and not isinstance(node, (ast.ClassDef, ast.Global, ast.Nonlocal)):
+                return Outside(f"{where} binds `{bound}`, the name of a class the file defines, to something else: name "
+                               "it otherwise")
             if not isinstance(node, (ast.Name, ast.FunctionDef, ast.AsyncFunctionDef)) and _dunder(bound) \
                     and bound not in ALLOWED_DUNDERS:
                 return Outside(f"{where} binds `{bound}`, a name Python and the loader give the file: name yours "

@@ -30,7 +30,7 @@ from harness.distributed import agree, current_device
 from harness.tools.grading import handwritten
 from harness.tools.grading.policy import config
 from harness.tools.traces.schedule import (NONE_GATHERED, WORK_WAITS, current, drawn_mark, gather_tag, marked_compute,
-                                           marked_waits, read_tag, routed)
+                                           marked_waits, read_tag, routed, uncollected)
 
 
 # --------------------------------------------------------------------------- parameter shards
@@ -213,22 +213,6 @@ def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
 # there). An op that writes part of a tensor (index_copy_, index_put_, masked_scatter_) keeps what the rest held:
 # into fresh memory, NONE_GATHERED; index_copy_ and index_put_ through an index that sets every element are
 # copy-outs (`_sets_every_element`).
-
-
-@contextlib.contextmanager
-def uncollected():
-    """No garbage collection inside: the log's bookkeeping outside its dispatch (a gate's, a wait's) reads, then
-    writes, what bytes hold, and a collection between would run the program's weakref callbacks and finalizers
-    there (a program can count its allocations to the one that collects), whose writes the bookkeeping would then
-    overwrite. CommLog's dispatch does the same, inline."""
-    collecting = gc.isenabled()
-    if collecting:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 class Sources:
@@ -424,11 +408,12 @@ class Sources:
             if how is not READ:
                 written.extend(tensors)
             if how is not OVERWRITTEN:
-                read.extend(tensors)
+                read.extend((t, name in _SELECTORS and not (t.is_floating_point() or t.is_complex())) for t in tensors)
         numbers = _CONSTANT if func in _FILLS else _NONE
-        for t in read:
+        for t, selects in read:
             held = self.held(t)
-            numbers = numbers | held
+            if not selects:  # an index or a mask says where the values come from, not what they are
+                numbers = numbers | held
             if self.params and self._a_parameter(t):
                 with torch.profiler.record_function(read_tag(self.mark, _gathered(held))):
                     pass
@@ -438,7 +423,7 @@ class Sources:
         out = self.moving([t.untyped_storage() for t in written], run) if written else run()  # out= may be resized
         for t in written:
             self.write(t, numbers)
-        inputs = {t.untyped_storage()._cdata for t in read} if read else set()
+        inputs = {t.untyped_storage()._cdata for t, _ in read} if read else set()
         for t in (out,) if isinstance(out, torch.Tensor) else _tensors(out):
             # a new tensor, not one sharing an input's memory (`_unsafe_view`, which no schema calls a view, writes none)
             if _followed(t) and t.untyped_storage()._cdata not in inputs:
@@ -446,6 +431,10 @@ class Sources:
         return out
 
 
+_SELECTORS = frozenset({"index", "indices", "mask", "condition"})
+"""an op's arguments that, integer or boolean, pick which of its other arguments' values it takes (index_select's,
+gather's, take's, an indexing's, masked_select's, where's): their bytes are none of the output's data, whatever memory
+made them (an index built with torch.tensor(values) selects a copy-out as arange's does)."""
 _NONE: frozenset = frozenset()
 _UNGATHERED = frozenset((NONE_GATHERED,))
 CONSTANT = -1
@@ -853,7 +842,7 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
     # whose overlap is judged (checks.assert_profiled_memory).
     counted = cfg.profile_steps and cfg.profile_memory and current_device(cfg.device).type == "cpu"
     try:
-        with marked_waits() if cfg.profile_steps else contextlib.nullcontext(), \
+        with marked_waits(mark) if cfg.profile_steps else contextlib.nullcontext(), \
                 log if observe or cfg.profile_steps else contextlib.nullcontext(), contextlib.ExitStack() as marks, \
                 memory.allocations_counted() if counted else contextlib.nullcontext():
             result = train.train(cfg, inspect=inspect)
