@@ -186,6 +186,7 @@ def _guarded_type(own: str):
             if len(args) != 3:
                 raise refused("takes 1 or 3 arguments")
             name, bases, namespace = args
+            namespace = dict(namespace)  # one copy, checked and made from (a mapping may say other keys each time)
             for base in bases:
                 if not (base is object or isinstance(base, type) and (
                         base.__module__ == own or issubclass(base, (torch.nn.Module, torch.autograd.Function)))):

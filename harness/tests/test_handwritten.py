@@ -10,6 +10,12 @@ from harness.tools.grading import handwritten
 
 # What a student may reasonably write next to a hand-written FSDP.
 HONEST = {
+    # a class kept in the file's own cache or set, or named in a message; type in annotations; a local named as a function
+    "class_kept_and_said": "import logging\nfrom torch import nn\nlog = logging.getLogger('x')\n_CLASSES: dict[type, type] = {}\n"
+                           "seen: set[type] = set()\ndef swap(m: nn.Module) -> type:\n    cls = m.__class__\n"
+                           "    found = _CLASSES.get(cls)\n    seen.add(type(m))\n    _CLASSES.setdefault(cls, cls)\n"
+                           "    log.debug('%s', type(m))\n    return found or cls\ndef flat(x):\n    flat = x\n    return flat\n"
+                           "ok = isinstance(flat, (type, type(None)))\n",
     "stdlib": "import math, functools, itertools, dataclasses, enum, contextlib, collections, typing, weakref\n"
               "import warnings, logging, time\nfrom collections.abc import Iterable\nfrom typing import Any\n",
     "contextmanager": "import contextlib\nimport torch\n@contextlib.contextmanager\ndef quiet():\n    with torch.no_grad():\n"
@@ -294,6 +300,12 @@ OUTSIDE = {
                                   "hands `type(m)`, a class, to `k`"),
     "class_handed_by_name": ("import torch\nfrom torch import nn\nc = type(nn.Linear(1, 1))\ntorch.compiler.disable(c)\n",
                              4, "hands `c`, a class, to `torch.compiler.disable`"),
+    "type_passed_around": ("T = type\n", 1, "type passed around"),
+    "enum_without_members": ("import enum\nclass E(enum.Enum):\n    pass\n", 2, "an enum with no members"),
+    "own_class_decorator": ("def swap(c):\n    return c\n@swap\nclass A:\n    pass\n", 4,
+                            "decorates A with `swap`, whose result the check cannot know"),
+    "class_to_own_function": ("import torch\ndef f(c):\n    torch.compiler.disable(c)\nf(torch.zeros(1).__class__)\n",
+                              4, "passes `torch.zeros(1).__class__`, torch's or Python's, to its own function f"),
     "attribute_as_loop_target": ("class A:\n    pass\na = A()\nfor a.x in (1, 2):\n    pass\n", 4,
                                  "stores into `a.x` as the target of a for"),
     "attribute_as_with_target": ("import contextlib\nclass A:\n    pass\na = A()\n"
@@ -542,6 +554,10 @@ def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):
             ("c = type(0)\nmeta = type(c)\nns = {}\nns['_' + '_match_args__'] = ('x',)\nmeta('A', (), ns)\n", "plain names"),
             ("c = type(0)\nmeta = type(c)\nns = {}\nns['_' + '_module__'] = 'torch.distributed'\nmeta('A', (), ns)\n",
              "leave `__module__` out"),
+            # a mapping whose iteration and keys() disagree: checked and made from one copy
+            ("class Two:\n    def __iter__(self):\n        return iter(['a'])\n\n    def keys(self):\n"
+             "        return ['_' + '_reduce_ex__']\n\n    def __getitem__(self, key):\n        return print\n\n\n"
+             "c = type(0)\nmeta = type(c)\nmeta('A', (), Two())\n", "plain names"),
             ("c = torch.zeros(0).__class__\nmeta = c.__class__\nmeta('T', (), {})\n", None)]):
         bent = tmp_path / f"bent{n}.py"
         bent.write_text(head + body)

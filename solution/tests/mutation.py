@@ -316,6 +316,30 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     # Tells the runs apart by the step it is in: every group prefetched at once through step 3 (the last a
     # profiled run of tasks 2 and 3 has), nothing from step 4 (which only the memory job has). The memory check
     # judges the peak on the profiled steps only.
+    # A copy of every group's gathered parameters kept from forward to the end of backward in step 2 only: a whole
+    # model more than FSDP2 holds in one judged step, lean in the other (the least of the two would pass it).
+    "hold-every-group-in-step-2": [(
+        "            if self.is_root:  # a new forward begins\n",
+        "            if self.is_root:  # a new forward begins\n"
+        "                ctx.root_forwards = getattr(ctx, \"root_forwards\", 0) + 1\n"), (
+        "                if self.group.reshard_after_forward:\n"
+        "                    self.group.reshard()\n"
+        "                # else: if not self.is_root:",
+        "                if getattr(self.ctx, \"root_forwards\", 0) in (3, 4):\n"
+        "                    self.ctx.held = getattr(self.ctx, \"held\", []) + [\n"
+        "                        p.gathered.clone() for p in self.group.params if p.gathered is not None]\n"
+        "                if self.group.reshard_after_forward:\n"
+        "                    self.group.reshard()\n"
+        "                # else: if not self.is_root:"), (
+        "            if ctx.pending_reduce is not None:\n"
+        "                ctx.pending_reduce, pending = None, ctx.pending_reduce\n"
+        "                pending.finish()\n"
+        "            if ctx.is_last_backward:",
+        "            if ctx.pending_reduce is not None:\n"
+        "                ctx.pending_reduce, pending = None, ctx.pending_reduce\n"
+        "                pending.finish()\n"
+        "            ctx.held = []\n"
+        "            if ctx.is_last_backward:")],
     "prefetch-all-until-step-4": [(
         "from torch.profiler import record_function\n",
         "from torch.profiler import record_function\n\n_FORWARDS = []  # the root forwards this process ran\n"), (
@@ -827,7 +851,7 @@ SOURCE_REFUSALS: dict[str, str] = {
     'write-through-instance-class': 'writes over `.add_`',
     'write-through-list-item': 'passes the module torch.distributed around',
     'write-through-loop-variable': 'passes the class torch.Tensor around',
-    'type-alias-namespace': 'names `__reduce__` in a string or keyword',
+    'type-alias-namespace': 'type passed around',
     'dict-keyword-dunder': 'names `__getattr__` in a string or keyword',
     'enum-alias-hook': 'passes the class enum.Enum around',
     'copyreg-dispatch-table': '`.dispatch_table`',
@@ -1017,8 +1041,18 @@ SOURCE_CHEATS.update({
     'typed-dict-keys-as-code': 'import dataclasses\nimport typing\n\n\nclass Keys:\n    pass\n\n\n'
                                'Keys = typing.TypedDict("Keys", {"x = print": int})\n\n\n'
                                '@dataclasses.dataclass\nclass Boom(Keys):\n    pass\n',
+    # round 28's: an empty enum of the file's extended with members of any name (a pickling hook on the class it
+    # makes), a class decorator that puts torch's class under the file's class name
+    'enum-extended-with-any-names': 'import enum\n\n\nclass E(enum.Enum):\n    pass\n\n\ndef hook(self, proto):\n'
+                                    '    return (print, ("unpickled",))\n\n\n'
+                                    'P = E("P", [("_" * 2 + "reduce_ex" + "_" * 2, hook), ("m", 1)])\n',
+    'class-decorator-swaps-the-name': 'import torch\nfrom torch import nn\n\n\ndef real(c):\n'
+                                      '    return type(nn.Linear(1, 1))\n\n\n@real\nclass L:\n    pass\n\n\n'
+                                      'torch.compiler.disable(L)\n',
 })
 SOURCE_REFUSALS.update({
+    'enum-extended-with-any-names': 'an enum with no members',
+    'class-decorator-swaps-the-name': 'decorates L with `real`',
     'type-through-typing': 'uses `get_origin`',
     'typed-dict-keys-as-code': 'binds `Keys`, the name of a class the file defines',
     'guard-shed-by-an-except-target': 'binds the name `setattr`',

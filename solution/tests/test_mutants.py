@@ -104,6 +104,7 @@ def test_predivide_is_invisible_at_world_2(mutant, pool2):
     ("no-reshard-after-forward", "peak memory per step"),
     ("leak-gather-buffers", "leaks every step"),
     ("prefetch-all-until-step-4", "peak memory per step"),
+    ("hold-every-group-in-step-2", "peak memory in step 2"),
 ])
 def test_memory_check_fails(mutant, pool2, name, message):
     with pytest.raises(AssertionError, match=message):

@@ -269,6 +269,9 @@ GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file it
 # introspected (set in __init__): the file's own attributes take these names only on `self`.
 INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict"}
 # Classes whose `case C(x)` matches the subject itself (not an attribute of it).
+READING_METHODS = {"get", "setdefault", "add", "append", "pop", "discard", "remove", "index", "count", "debug", "info",
+                   "warning", "error", "exception", "critical", "log"}
+"""methods of the file's own containers and loggers that may take a class (a cache keyed by it, a message naming it)"""
 SELF_MATCHING = {"bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list", "set", "str", "tuple"}
 REFUSED_BUILTINS = {"eval", "exec", "compile", "globals", "locals", "vars", "__import__", "open", "input",
                     "breakpoint", "help", "exit", "quit", "__builtins__", "__loader__", "__spec__", "bytearray",
@@ -450,6 +453,7 @@ class _Check:
         self.own_functions: set[str] = set()  # the functions it defines outside classes
         self.foreign: set[str] = set()  # its variables bound to classes, modules or functions of torch or Python
         self.class_vars: set[str] = set()  # those bound to the class of an object (`cls = type(x)`)
+        self.own_enums: set[str] = set()  # its classes that are enums (derive from enum's, or from its own enums)
 
     def where(self, node: ast.AST) -> str:
         return f"{self.filename}:{getattr(node, 'lineno', '?')}"
@@ -550,6 +554,17 @@ class _Check:
             elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
                 self.own.add(node.name)
         self.own -= set(self.imported)
+        classes = [n for n in ast.walk(self.tree) if isinstance(n, ast.ClassDef)]
+        grew = True
+        while grew:
+            before = len(self.own_enums)
+            for node in classes:
+                for base in node.bases:
+                    value = self.resolve(base)
+                    if isinstance(value, type) and issubclass(value, enum.Enum) or \
+                            isinstance(base, ast.Name) and base.id in self.own_enums:
+                        self.own_enums.add(node.name)
+            grew = len(self.own_enums) > before
         # Variables bound to a class, module or function of torch's or Python's (`T = torch.Tensor`,
         # `cls = type(x)`): writing attributes through them would change torch or Python itself.
         for node in ast.walk(self.tree):
@@ -834,6 +849,10 @@ class _Check:
         """The class of an object (`type(x)`, `x.__class__`) handed to torch's or Python's code, which may write
         onto what it is given (torch.compiler.disable(cls) replaces its methods): only read it in place."""
         func = node.func.id if isinstance(node.func, ast.Name) else None
+        receiver = node.func.value if isinstance(node.func, ast.Attribute) else None
+        if isinstance(receiver, ast.Name) and node.func.attr in READING_METHODS and receiver.id not in self.foreign \
+                and receiver.id not in self.imported and receiver.id not in self.module_aliases:
+            return None  # a class kept in, or said by, the file's own dict, set, list or logger
         if func in ("isinstance", "issubclass", "type", "id", "hash", "repr", "str", "print") or \
                 func in self.own_functions and func not in self.rebound:
             return None  # the file's own functions (a name bound only by their def): call_problem's rule
@@ -1044,6 +1063,16 @@ class _Check:
                                "write a plain method and call it")
             return None
         if isinstance(node, ast.ClassDef):
+            for decorator in node.decorator_list:
+                if self.resolve(decorator.func if isinstance(decorator, ast.Call) else decorator) is None:
+                    return Outside(f"{where} decorates {node.name} with `{ast.unparse(decorator)}`, whose result the "
+                                   "check cannot know (the name would stand for whatever it returns): decorate classes "
+                                   "only with torch's or Python's own (dataclasses.dataclass, enum.unique...)")
+            if node.name in self.own_enums and not any(
+                    isinstance(n, (ast.Assign, ast.AnnAssign)) and getattr(n, "value", None) is not None
+                    for n in node.body):
+                return Outside(f"{where} makes {node.name}, an enum with no members, which its functional API extends "
+                               f"with members of any name (`{node.name}(\"X\", names)`): write its members out")
             for kw in node.keywords:
                 if kw.arg == "metaclass" and self.resolve(kw.value) is not abc.ABCMeta:
                     return Outside(f"{where} gives {node.name} a metaclass, code that runs whenever a class is made: "
@@ -1063,6 +1092,22 @@ class _Check:
             return self.call_problem(node)
         return None
 
+    def type_in_place(self, node: ast.Name, parent: ast.AST | None) -> bool:
+        """`type` where it stands: called, subscripted (type[X]), an annotation, or a class isinstance or issubclass is
+        given (alone or in a tuple)."""
+        if isinstance(parent, ast.Call) and parent.func is node or isinstance(parent, ast.Subscript) and \
+                parent.value is node:
+            return True
+        child, above = node, parent
+        while above is not None and not isinstance(child, ast.stmt):  # anywhere in an annotation (dict[str, type])
+            if isinstance(above, (ast.arg, ast.AnnAssign)) and above.annotation is child or \
+                    isinstance(above, (ast.FunctionDef, ast.AsyncFunctionDef)) and above.returns is child:
+                return True
+            child, above = above, self.parents.get(id(above))
+        holder = self.parents.get(id(parent)) if isinstance(parent, ast.Tuple) else parent
+        return isinstance(holder, ast.Call) and isinstance(holder.func, ast.Name) and \
+            holder.func.id in ("isinstance", "issubclass") and holder.func is not node
+
     def name_problem(self, node: ast.Name) -> str | None:
         where = self.where(node)
         if node.id in REFUSED_BUILTINS or node.id in _FSDP2_NAMES:
@@ -1073,6 +1118,9 @@ class _Check:
             return Outside(f"{where} uses `{node.id}`: it reaches modules, globals or code objects, which a "
                            "hand-written FSDP does not need; " + _ARGS)
         parent = self.parents.get(id(node))
+        if node.id == "type" and isinstance(node.ctx, ast.Load) and not self.type_in_place(node, parent):
+            return Outside(f"{where}: type passed around (the loader's own, under another name where the check cannot "
+                           "see what it makes): call it as type(x), or write type[X] in an annotation")
         if node.id in ("getattr", "hasattr", "setattr", "delattr") and not (
                 isinstance(parent, ast.Call) and parent.func is node):
             return Outside(f"{where}: {node.id} passed around (not called with a written-out name): call it "
@@ -1172,8 +1220,9 @@ class _Check:
                 elif isinstance(inner, ast.Dict):
                     given += inner.values
             for arg in given:
-                if isinstance(self.resolve(arg), type) or isinstance(arg, ast.Name) and arg.id in self.foreign \
-                        or isinstance(arg, ast.Call) and self.foreign_value(arg):
+                if isinstance(self.resolve(arg), type) or isinstance(arg, ast.Name) and arg.id in (
+                        self.foreign | self.class_vars) or isinstance(arg, ast.Call) and self.foreign_value(arg) \
+                        or self.class_of_something(arg):
                     return Outside(f"{where} passes `{ast.unparse(arg)}`, torch's or Python's, to its own function "
                                    f"{func}, which could change it: pass your own objects, and use torch's classes "
                                    "in place (isinstance(x, torch.Tensor))")

@@ -129,7 +129,9 @@ MODES = {
 # A step's peak is what the schedule holds at its fullest plus, in some steps, a buffer that gloo's
 # worker thread is still releasing (a finished collective's buffers are freed by whichever thread
 # drops the work last, and the main thread does not wait for gloo's): the least over steps leaves
-# those out and keeps whatever the FSDP holds in every step. effdl may exceed FSDP2 by:
+# those out and keeps whatever the FSDP holds in every step; each judged step on its own may hold one late buffer
+# more than that (so a file cannot hold a whole model in one judged step and stay lean in another). effdl may
+# exceed FSDP2 by:
 #   * what overlapping costs on gloo: gloo copies a reduce-scatter's input when it is issued and
 #     keeps the copy while it runs, i.e. during the next block's backward (FSDP2 on CPU waits at
 #     once): one block's reduce-scatter input;

@@ -117,7 +117,7 @@ class Private:
             from harness.impl import ROOT
 
             reachable()
-            hide(*(ROOT / path for path in INSTRUCTORS_ONLY))
+            hide(*hidden(ROOT))
         root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_roots`
         try:
             for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
@@ -251,9 +251,27 @@ def reachable(*more: Path) -> None:
                       f"{USER} can import Python's library from under it", file=sys.stderr, flush=True)
 
 
-INSTRUCTORS_ONLY = ("solution/fsdp.py", "solution/tests/variant_fsdp.py", ".git")
-"""what the repository may hold that no file under test reads: the reference, the second solution, and the history
-holding both (the instructors' checkout, where `grade` runs; a released copy and the Gradescope bundle have none)"""
+def hidden(root: Path) -> list[Path]:
+    """What the repository holds that no file under test may read: the files that define an FSDP (a `fully_shard` at
+    their top level) but the skeleton every student holds, and the history (`.git`). In the instructors' checkout,
+    where `grade` runs, that is the reference, the second solution and any submission kept there; a released copy and
+    the Gradescope bundle hold none of them. Not the harness, nor a hidden folder (the environment, the store)."""
+    import ast
+
+    found = [root / ".git"]
+    for folder, folders, files in os.walk(root):
+        folders[:] = [f for f in folders if not f.startswith(".") and f not in ("__pycache__", "harness")]
+        for name in files:
+            path = Path(folder) / name
+            if not name.endswith(".py") or path == root / "fsdp.py":
+                continue
+            try:
+                tree = ast.parse(path.read_bytes())
+            except (SyntaxError, ValueError, OSError):
+                continue
+            if any(isinstance(n, ast.FunctionDef) and n.name == "fully_shard" for n in tree.body):
+                found.append(path)
+    return found
 
 
 def hide(*paths: Path) -> None:
