@@ -362,6 +362,19 @@ def test_a_reduce_scatter_said_done_but_waited_for_while_running_is_not_overlapp
         assert overlapped(trace, "reduce_scatter", "backward") == groups, tag
 
 
+def test_a_collective_is_released_where_its_own_work_was_waited_for():
+    """A group's all-gather waited for (its Work's tag), then the next group's issued, then its copy-out range opened:
+    one in flight at a time, as the Work's own tags say, however late the program opens its range (a wait range
+    alone, with no tag of its own Work, still releases it only where it opens)."""
+    trace = tagged(schedule_trace(), asked=True)
+    for e in trace["traceEvents"]:  # layers.0's copy-out range and its copy after layers.1's issue (66), its wait before
+        if e["name"] == "FSDP::all_gather_copy_out (layers.0)" or e["name"] == "aten::copy_" and e["ts"] == 62:
+            e["ts"] += 8
+    gathers = [s for s in schedule.schedule(trace) if (s.kind, s.phase) == ("all_gather", "forward")]
+    assert [s.released for s in gathers] == [26.5, 61.5, 101.5], gathers
+    assert schedule.most_in_flight(gathers)[0] == 1
+
+
 def overlapped(trace: dict, kind: str, phase: str) -> list[str]:
     return [s.group for s in schedule.must_overlap([s for s in schedule.schedule(trace) if (s.kind, s.phase) == (kind, phase)])
             if s.overlapped]

@@ -574,8 +574,10 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
                     what = "at once"
                 # Its own Work waited for, while it ran, before any compute and before FSDP's ranges say so: at once.
                 own, release = own_wait(op)
+                # released where its own Work was first found or made done (its tags carry the run's secret), however
+                # much later the program opens its copy-out range (a wait, the next group's issue, then the copy-out)
                 released = None if waited is None or own is not None and release is None else \
-                    waited if own is None else max(waited, release)
+                    waited if own is None else release
                 if own is not None and what != "at once" and (waited is None or own < waited) \
                         and not others_between(end, own, group):
                     waited, what = own, "at once"
