@@ -224,6 +224,12 @@ def _class_of(guarded_type):
 _STORE, _DELETE, _CLASS = "__effdl_store__", "__effdl_delete__", "__effdl_class__"
 
 
+def stored_attribute(target: ast.expr | None) -> ast.Attribute | None:
+    """The first attribute a binding target stores into (`for self.x in ...`), or None: what the rewrite below cannot
+    put through the guard, refused by the source check and on load alike."""
+    return None if target is None else next((t for t in ast.walk(target) if isinstance(t, ast.Attribute)), None)
+
+
 class _GuardStores(ast.NodeTransformer):
     """`a.b = v` -> `__effdl_store__(a, "b", v)`; `a.b op= v` -> the same over `operator.iop(a.b, v)`
     (in place where the value is, as Python does); `del a.b` -> `__effdl_delete__(a, "b")`. Targets that
@@ -283,7 +289,7 @@ class _GuardStores(ast.NodeTransformer):
 
     def unguarded(self, target: ast.expr | None) -> None:
         """A loop's, a with's or a comprehension's target stores past this rewrite: no attribute there."""
-        if target is not None and (stored := next((t for t in ast.walk(target) if isinstance(t, ast.Attribute)), None)):
+        if stored := stored_attribute(target):
             raise TypeError(f"line {stored.lineno}: a file under test stores into `{ast.unparse(stored)}` as the "
                             "target of a for, a with or a comprehension: bind a plain name there and assign the "
                             "attribute in the body")

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from harness.impl import stored_attribute
+
 FSDP2_USED = "uses PyTorch's FSDP2, not your own"
 OUTSIDE = "reaches beyond a hand-written FSDP"
 
@@ -268,10 +270,10 @@ GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file it
 # contexts' streams, an ExitStack's callbacks, logging's manager and its loggers. Not the API, and not
 # introspected (set in __init__): the file's own attributes take these names only on `self`.
 INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict"}
-# Classes whose `case C(x)` matches the subject itself (not an attribute of it).
 READING_METHODS = {"get", "setdefault", "add", "append", "pop", "discard", "remove", "index", "count", "debug", "info",
                    "warning", "error", "exception", "critical", "log"}
 """methods of the file's own containers and loggers that may take a class (a cache keyed by it, a message naming it)"""
+# Classes whose `case C(x)` matches the subject itself (not an attribute of it).
 SELF_MATCHING = {"bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list", "set", "str", "tuple"}
 REFUSED_BUILTINS = {"eval", "exec", "compile", "globals", "locals", "vars", "__import__", "open", "input",
                     "breakpoint", "help", "exit", "quit", "__builtins__", "__loader__", "__spec__", "bytearray",
@@ -464,7 +466,7 @@ class _Check:
                          key=_position)
         refused = next(((node, p) for node in imports if (p := self.import_problem(node))), None)
         self.collect_own_names()
-        bindings = _bindings(self.tree)
+        self.bindings = bindings = _bindings(self.tree)
         self.bound = set(bindings)  # every name the file binds (a builtin class's name rebound too)
         self.rebound = {name for name, nodes in bindings.items()  # bound by more than a def (a local of that name)
                         if any(not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Global,
@@ -633,7 +635,7 @@ class _Check:
             return "define it at the top level of the file"
         if _shape(func) != _shape(ast.parse(GIVEN_LOOKUP).body[0]):
             return "its code differs from the skeleton's; copy it back unchanged"
-        bindings = _bindings(self.tree)
+        bindings = self.bindings
         for name in GIVEN_LOOKUP_BUILTINS:
             if name in bindings:
                 return f"line {bindings[name][0].lineno} binds `{name}`, which it calls; rename that"
@@ -965,7 +967,7 @@ class _Check:
         # attribute writes (which rewrites assignments): a plain name there, the attribute assigned in the body.
         target = node.target if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)) else \
             node.optional_vars if isinstance(node, ast.withitem) else None
-        if target is not None and (stored := next((t for t in ast.walk(target) if isinstance(t, ast.Attribute)), None)):
+        if stored := stored_attribute(target):
             return Outside(f"{self.where(stored)} stores into `{ast.unparse(stored)}` as the target of a for, a with or "
                            "a comprehension: bind a plain name there and assign the attribute in the body")
         # What a name or attribute chain read here is (resolved once for the rules below; None if not torch's or

@@ -18,6 +18,7 @@ there is nothing of anyone else's to protect.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import resource
 import secrets
@@ -251,11 +252,13 @@ def reachable(*more: Path) -> None:
                       f"{USER} can import Python's library from under it", file=sys.stderr, flush=True)
 
 
-def hidden(root: Path) -> list[Path]:
+@functools.cache
+def hidden(root: Path) -> tuple[Path, ...]:
     """What the repository holds that no file under test may read: the files that define an FSDP (a `fully_shard` at
     their top level) but the skeleton every student holds, and the history (`.git`). In the instructors' checkout,
     where `grade` runs, that is the reference, the second solution and any submission kept there; a released copy and
-    the Gradescope bundle hold none of them. Not the harness, nor a hidden folder (the environment, the store)."""
+    the Gradescope bundle hold none of them. Not the harness, nor a hidden folder (the environment, the store). Read
+    once per process (every sandboxed pool's start closes them)."""
     import ast
 
     found = [root / ".git"]
@@ -271,7 +274,7 @@ def hidden(root: Path) -> list[Path]:
                 continue
             if any(isinstance(n, ast.FunctionDef) and n.name == "fully_shard" for n in tree.body):
                 found.append(path)
-    return found
+    return tuple(found)
 
 
 def hide(*paths: Path) -> None:
