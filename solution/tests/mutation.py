@@ -1006,7 +1006,7 @@ SOURCE_REFUSALS.update({
     'dispatch-subclass': 'the class of a class',
     'held-context-generator': 'yields inside a `with` block of a generator',
     'exit-stack-autocast': 'uses `ExitStack`',
-    'disable-a-torch-class': 'hands `type(nn.Linear(1, 1))`, a class, to `torch.compiler.disable`',
+    'disable-a-torch-class': 'uses torch.compiler.disable other than as a decorator of its own function',
     'set-submodule-on-a-class': 'calls `nn.Module.set_submodule` through its class',
 })
 # The data following's rounds and this boundary pass: bytes rewritten where no op shows it, a generator's state set
@@ -1049,8 +1049,22 @@ SOURCE_CHEATS.update({
     'class-decorator-swaps-the-name': 'import torch\nfrom torch import nn\n\n\ndef real(c):\n'
                                       '    return type(nn.Linear(1, 1))\n\n\n@real\nclass L:\n    pass\n\n\n'
                                       'torch.compiler.disable(L)\n',
+    # round 29's: an enum whose body binds only what enum makes no member of (`_ignore_`, a private name, a lambda),
+    # a class decorator that resolves but returns another's result (functools.partial), and a class kept in a list
+    # before it is handed to torch
+    'enum-members-hidden-by-ignore': 'import enum\n\n\nclass E(enum.Enum):\n    _ignore_ = []\n\n\n'
+                                     'def hook(self, proto):\n    return (print, ("unpickled",))\n\n\n'
+                                     'P = E("P", [("_" * 2 + "reduce_ex" + "_" * 2, hook), ("m", 1)])\n',
+    'class-decorated-through-partial': 'import functools\n\nimport torch\nfrom torch import nn\n\n\n'
+                                       'def real(c):\n    return type(nn.Linear(1, 1))\n\n\n'
+                                       '@functools.partial(real)\nclass L:\n    pass\n',
+    'class-kept-in-a-list-handed-to-torch': 'import torch\nfrom torch import nn\n\nseen = []\n'
+                                            'seen.append(nn.Linear(1, 1).__class__)\ntorch.compiler.disable(seen[0])\n',
 })
 SOURCE_REFUSALS.update({
+    'enum-members-hidden-by-ignore': 'an enum with no members',
+    'class-decorated-through-partial': 'decorates L with `functools.partial(real)`',
+    'class-kept-in-a-list-handed-to-torch': 'uses torch.compiler.disable other than as a decorator of its own function',
     'enum-extended-with-any-names': 'an enum with no members',
     'class-decorator-swaps-the-name': 'decorates L with `real`',
     'type-through-typing': 'uses `get_origin`',

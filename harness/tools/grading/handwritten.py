@@ -270,6 +270,9 @@ GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file it
 # contexts' streams, an ExitStack's callbacks, logging's manager and its loggers. Not the API, and not
 # introspected (set in __init__): the file's own attributes take these names only on `self`.
 INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict"}
+CLASS_DECORATORS = (dataclasses.dataclass, functools.total_ordering, enum.unique, typing.final)
+"""what may decorate a class of the file: each returns the class it is given (by identity: functools.partial(f) or any
+other wrapper of a function would put f's result under the class's name)"""
 READING_METHODS = {"get", "setdefault", "add", "append", "pop", "discard", "remove", "index", "count", "debug", "info",
                    "warning", "error", "exception", "critical", "log"}
 """methods of the file's own containers and loggers that may take a class (a cache keyed by it, a message naming it)"""
@@ -332,6 +335,15 @@ DECORATORS_ONLY = {
     dataclasses.dataclass: ("dataclasses.dataclass", (ast.ClassDef,), False,
                             "other than as a decorator of its own class (`@dataclass class Name: ...`): on another "
                             "class it rewrites that class's methods"),
+    # they write onto what they are given (a wrapper over a class's methods, `__final__`, comparison methods): called,
+    # the check cannot tell that what they get is the file's own (a class kept in a list is torch's, say)
+    torch.compiler.disable: ("torch.compiler.disable", (ast.FunctionDef, ast.AsyncFunctionDef), False,
+                             "other than as a decorator of its own function (`@torch.compiler.disable def hook(...)`): "
+                             "called on a class, it replaces that class's methods for the whole process"),
+    typing.final: ("typing.final", (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef), False,
+                   "other than as a decorator of its own function or class: it writes onto what it is given"),
+    functools.total_ordering: ("functools.total_ordering", (ast.ClassDef,), False,
+                               "other than as a decorator of its own class: it writes methods onto what it is given"),
 }
 
 
@@ -1066,13 +1078,13 @@ class _Check:
             return None
         if isinstance(node, ast.ClassDef):
             for decorator in node.decorator_list:
-                if self.resolve(decorator.func if isinstance(decorator, ast.Call) else decorator) is None:
+                if not any(self.resolve(decorator.func if isinstance(decorator, ast.Call) else decorator) is d
+                           for d in CLASS_DECORATORS):
                     return Outside(f"{where} decorates {node.name} with `{ast.unparse(decorator)}`, whose result the "
                                    "check cannot know (the name would stand for whatever it returns): decorate classes "
-                                   "only with torch's or Python's own (dataclasses.dataclass, enum.unique...)")
-            if node.name in self.own_enums and not any(
-                    isinstance(n, (ast.Assign, ast.AnnAssign)) and getattr(n, "value", None) is not None
-                    for n in node.body):
+                                   "only with dataclasses.dataclass, functools.total_ordering, enum.unique or "
+                                   "typing.final")
+            if node.name in self.own_enums and not _enum_members(node):
                 return Outside(f"{where} makes {node.name}, an enum with no members, which its functional API extends "
                                f"with members of any name (`{node.name}(\"X\", names)`): write its members out")
             for kw in node.keywords:
@@ -1286,6 +1298,18 @@ def _bindings(tree: ast.Module) -> dict[str, list[ast.AST]]:
         for name in _bound(node):
             found.setdefault(name, []).append(node)
     return found
+
+
+def _enum_members(node: ast.ClassDef) -> list[str]:
+    """The members an enum class statement defines, as enum reads its body: public names bound to a value that is no
+    function (a lambda is a method); none at all where the body sets `_ignore_` (which can hide any)."""
+    if any(isinstance(t, ast.Name) and t.id == "_ignore_" for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+           for t in (n.targets if isinstance(n, ast.Assign) else [n.target])):
+        return []
+    return [t.id for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+            and not isinstance(n.value, ast.Lambda)
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Name) and not t.id.startswith("_")]
 
 
 def _bound(node: ast.AST) -> list[str]:
