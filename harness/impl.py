@@ -70,7 +70,7 @@ def load(impl: str) -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         store, delete = _guarded(setattr, name), _guarded(delattr, name)
         guarded_type = _guarded_type(name)
-        guards = {"setattr": store, "delattr": delete, "type": guarded_type}
+        guards = {"setattr": store, "delattr": delete, "type": guarded_type, "__import__": _guarded_import()}
         # the guards in the file's own builtins too: a name the file's code deleted from its globals (what an
         # `except ... as setattr` does when its block ends) falls back to them, not to Python's
         module.__dict__.update(guards, __builtins__={**vars(builtins), **guards},
@@ -159,15 +159,17 @@ class _TypeCheck(type):
 
 
 class _TypeAnnotation:
-    """`type[X]` as the guarded type gives it: an annotation, which no call makes into Python's own type."""
+    """`type[X]` as the guarded type gives it: an annotation, which no call makes into Python's own type, and which
+    keeps only how it reads (X itself, held here, would leave its place under the file's name)."""
 
-    __slots__ = ("item",)
+    __slots__ = ("_text",)
 
     def __init__(self, item):
-        self.item = item
+        name = item.__qualname__ if isinstance(item, type) else repr(item)
+        self._text = f"type[{name}]"
 
     def __repr__(self) -> str:
-        return f"type[{self.item!r}]"
+        return self._text
 
 
 def _guarded_type(own: str):
@@ -216,6 +218,59 @@ def _class_of(guarded_type):
         return found
 
     return class_of
+
+
+# [Note: the dataclass of a file under test]
+# dataclass compiles the names of a class's fields into the code of the methods it writes (__init__, __repr__,
+# __eq__), executed with the file's globals, and takes its fields from whatever passes for a dataclasses.Field
+# (isinstance, which believes an object's `__class__`), its bases' fields as it finds them. The source check keeps
+# the file from defining `__class__` or renaming a Field; behind it, the file's `dataclasses` (imported through the
+# guarded __import__) is Python's but for `dataclass`, which makes a class only from fields that are
+# dataclasses.Field itself, each under its own plain name (an identifier), its bases' too.
+def _checked_dataclass(real):
+    import dataclasses
+    import keyword
+
+    def plain(name) -> bool:
+        return type(name) is str and name.isidentifier() and not keyword.iskeyword(name)
+
+    def checked(cls):
+        for base in cls.__mro__:
+            fields = base.__dict__.get("__dataclass_fields__") if base is not cls else {
+                k: v for k, v in base.__dict__.items() if isinstance(v, dataclasses.Field)}
+            for key, field in dict(fields or {}).items():
+                if type(field) is not dataclasses.Field or not plain(key) or base is not cls and field.name != key:
+                    raise TypeError(f"dataclass({cls.__qualname__}): a field of a file under test is a dataclasses.Field "
+                                    f"under its own plain name (an identifier), not {type(field).__qualname__} "
+                                    f"{key!r}: write fields as `name: type = default` or dataclasses.field(...)")
+        for name in cls.__dict__.get("__annotations__", {}):
+            if not plain(name):
+                raise TypeError(f"dataclass({cls.__qualname__}): a field's name is an identifier, not {name!r}")
+        return cls
+
+    def dataclass(cls=None, /, **kwargs):
+        if cls is None:
+            return lambda c: real(checked(c), **kwargs)
+        return real(checked(cls), **kwargs)
+
+    dataclass.__name__ = dataclass.__qualname__ = "dataclass"
+    dataclass.__doc__ = real.__doc__
+    return dataclass
+
+
+def _guarded_import():
+    """The file's __import__: Python's, but `dataclasses` is a copy of it whose dataclass is checked."""
+    import dataclasses
+
+    copy = ModuleType("dataclasses", dataclasses.__doc__)
+    vars(copy).update({k: v for k, v in vars(dataclasses).items() if k not in ("__builtins__", "__loader__", "__spec__")})
+    copy.dataclass = _checked_dataclass(dataclasses.dataclass)
+
+    def __import__(name, globals=None, locals=None, fromlist=(), level=0):
+        found = builtins.__import__(name, globals, locals, fromlist, level)
+        return copy if found is dataclasses else found
+
+    return __import__
 
 
 # Every attribute the file writes with `obj.name = value` (or `+=`, or `del obj.name`) goes through the

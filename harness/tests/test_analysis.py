@@ -901,7 +901,8 @@ def test_an_all_gathers_data_lands_at_its_wait():
 def test_an_index_or_a_mask_is_none_of_what_an_op_copies_out():
     """An integer index or a boolean mask says which values an op takes, not what they are: a copy-out through
     index_select, gather, take or masked_select holds the all-gather's data however the index was made
-    (torch.tensor(rows) as arange); a value an op computes with (a scale made by torch.tensor) still counts."""
+    (torch.tensor(rows) as arange); a value an op computes with (a scale made by torch.tensor) still counts, and so does
+    an index or a condition made from memory's data."""
     import torch
 
     from harness.tools.grading.jobs import CommLog
@@ -916,7 +917,18 @@ def test_an_index_or_a_mask_is_none_of_what_an_op_copies_out():
         found = [log.sources.held(t) for t in (
             out.index_select(0, rows), out.gather(0, torch.tensor([[1] * 8, [0] * 8])), out.take(torch.tensor([3, 1])),
             out[rows], out[0].masked_select(mask), torch.where(mask, out[0], out[1]), out * torch.tensor(2.0))]
-    assert found == [{number}] * 6 + [{none, number}], found
+        # an index or a condition made from the data carries it: a table of constants looked up by another memory's
+        # bits is that memory (a copy laundered), a where() whose condition is the data holds a bit of it
+        elsewhere = torch.empty(8)
+        other, regions = log.sources.gathered([elsewhere])
+        log.sources.landed(other, regions)
+        table = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+        bits = elsewhere.view(torch.int16).to(torch.int32) & 65535
+        laundered = table[bits].view(torch.float32)
+        found += [log.sources.held(t) for t in (
+            laundered, torch.where(torch.zeros(8, dtype=torch.bool), out[0], laundered),
+            torch.where(out[0] > 0, torch.tensor(1.0), torch.tensor(0.0)))]
+    assert found == [{number}] * 6 + [{none, number}, {other}, {number, other}, {none, number}], found
 
 
 def test_a_parameter_holds_its_own_groups_gathered_data():

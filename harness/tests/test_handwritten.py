@@ -195,6 +195,25 @@ HONEST = {
         '    module.weight.grad = None\n'
         '    return [m for m in module.modules()], module.state_dict(), list(module.parameters())\n'
     ),
+    # a module imported by its path, reached by it (torch.utils only on the way to torch.utils.hooks)
+    'module_by_its_path': (
+        'import torch\n'
+        'import torch.utils.hooks\n'
+        'def keep(module: torch.nn.Module, hook) -> torch.utils.hooks.RemovableHandle:\n'
+        '    return module.register_forward_pre_hook(hook)\n'
+    ),
+    'enum_of_members_and_methods': (
+        'import enum\n'
+        'class State(enum.Enum):\n'
+        '    """Where a group stands."""\n'
+        '    IDLE = enum.auto()\n'
+        '    BUSY = -1\n'
+        '    BOTH = (1, "two")\n'
+        '    BIT = 1 << 3\n'
+        '    note: str\n'
+        '    def describe(self):\n'
+        '        return self.name.lower()\n'
+    ),
     'cuda_streams': (
         'import torch\n'
         'def streams(x):\n'
@@ -292,7 +311,7 @@ OUTSIDE = {
     "builtins_as_exception": ("try:\n    pass\nexcept ValueError as __builtins__:\n    pass\n", 3,
                               "binds `__builtins__`"),
     "self_matching_rebound": ("class P:\n    pass\ndef f(x):\n    bool = P\n    match x:\n        case bool(v):\n"
-                              "            return v\n", 6, "matches `bool(...)` by position"),
+                              "            return v\n", 4, "binds the name `bool`"),
     "typing_hands_out_type": ("import typing\nt = typing.get_origin(typing.Type[int])\n", 2, "uses `get_origin`"),
     "typed_dict_keys": ("import typing\nD = typing.TypedDict('D', {'x': int})\n", 2, "uses `TypedDict`"),
     "own_class_rebound": ("import typing\nclass Base:\n    pass\nBase = typing.NamedTuple('B', [('x', int)])\n", 4,
@@ -304,8 +323,8 @@ OUTSIDE = {
                              4, "hands `c`, a class, to `weakref.ref`"),
     "type_passed_around": ("T = type\n", 1, "type passed around"),
     "enum_without_members": ("import enum\nclass E(enum.Enum):\n    pass\n", 2, "an enum with no members"),
-    "enum_of_no_member_names": ("import enum\nclass E(enum.Enum):\n    __hidden = 0\n    f = lambda self: 0\n", 2,
-                                "an enum with no members"),
+    "enum_of_no_member_names": ("import enum\nclass E(enum.Enum):\n    __hidden = 0\n    f = lambda self: 0\n", 3,
+                                "an enum's body is its members"),
     "own_class_decorator": ("def swap(c):\n    return c\n@swap\nclass A:\n    pass\n", 4,
                             "decorates A with `swap`, whose result the check cannot know"),
     "class_to_own_function": ("import torch\nimport weakref\ndef f(c):\n    weakref.ref(c)\nf(torch.zeros(1).__class__)\n",
@@ -434,6 +453,32 @@ OUTSIDE = {
     "setattr_global": ("def f():\n    global setattr\n", 2, "binds the name `setattr`"),
     "setattr_parameter": ("def f(setattr):\n    pass\n", 1, "binds the name `setattr`"),
     "delattr_defined": ("def delattr(o, n):\n    pass\n", 1, "binds the name `delattr`"),
+    # What the check reads by name is bound to nothing else: a builtin base or reader, `__class__` in a class.
+    "builtin_base_rebound": ("import dataclasses\nBufferError = type(dataclasses.field())\nclass F(BufferError):\n"
+                             "    pass\n", 2, "binds the name `BufferError`, a builtin the check trusts by its name"),
+    "reader_rebound": ("def take(obj, cls):\n    return False\nisinstance = take\n", 3, "binds the name `isinstance`"),
+    "loop_variable_shadows_a_builtin": ("def f(xs):\n    for id in xs:\n        print(id)\n", 2,
+                                        "binds the name `id`"),
+    "class_says_its_class": ("import dataclasses\nclass F:\n    __class__ = type(dataclasses.field())\n", 3,
+                             "defines `__class__` in a class"),
+    "class_says_its_class_by_property": ("class F:\n    @property\n    def __class__(self):\n        return int\n", 3,
+                                         "defines `__class__` in a class"),
+    # An enum is its members and methods: no descriptor, private name or unpacking enum reads otherwise, no keywords.
+    "enum_member_a_descriptor": ("import enum\nclass E(enum.Enum):\n    helper = enum.nonmember(0)\n", 3,
+                                 "an enum's body is its members"),
+    "enum_members_unpacked": ("import enum\nclass E(enum.Enum):\n    A, B = range(2)\n", 3,
+                              "each NAME = value"),
+    "enum_of_methods_only": ("import enum\nclass E(enum.Enum):\n    def describe(self):\n        return 0\n", 2,
+                             "a base enum of methods only"),
+    "class_keyword": ("import enum\nclass E(enum.Enum, _simple=True):\n    A = 1\n", 2,
+                      "passes `_simple=True` to the class statement of E"),
+    # What writes onto what it is given, however the check reads the argument.
+    "abstractmethod_called": ("import abc\nimport torch\nseen = [torch.nn.Linear(1, 1).__class__]\n"
+                              "abc.abstractmethod(seen[0])\n", 4, "uses abc.abstractmethod other than as a decorator"),
+    "compile_region_marker": ("import torch\ndef f():\n    pass\ntorch.compiler.nested_compile_region(f)\n", 4,
+                              "it writes onto what it is given"),
+    "object_setattr": ("class C:\n    def __init__(self):\n        object.__setattr__(self, 'x', 1)\n", 3,
+                       "drop frozen=True"),
     "own_function_unpacked_torch_class": ("import torch\ndef put(o, n, v):\n    pass\nput(*[torch.Tensor, 'add_', 1])\n",
                                           4, "to its own function put"),
 }
@@ -540,6 +585,40 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
     module = impl.load(str(honest))
     assert module.m.extra.shape == (2, 2) and module.mine.extra == 1 and module.mine.count == 3
     assert (module.m.weight == 1).all() and module.mine.b == 2 and module.m.c == 3 and not hasattr(module.mine, "a")
+
+
+def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):
+    """[Note: the dataclass of a file under test]: an object passing for a dataclasses.Field (its `__class__` said so),
+    or a Field renamed after its class was made, never reaches the code dataclass compiles."""
+    import dataclasses
+
+    import torch
+
+    from harness import impl
+
+    head = "class MixedPrecisionPolicy:\n    pass\n\n\ndef fully_shard(module, **kw):\n    return module\n\n\n"
+    fake = ("import dataclasses\n\n\nclass Fake:\n    __class__ = type(dataclasses.field())\n    default = "
+            "dataclasses.MISSING\n    default_factory = dataclasses.MISSING\n    init = True\n    kw_only = False\n"
+            "    repr = False\n    compare = False\n    hash = None\n    metadata = None\n\n\n"
+            "@dataclasses.dataclass\nclass Base:\n    x: int = Fake()\n")
+    for name, source in (("fake", fake), ("fake_from", fake.replace("@dataclasses.dataclass", "@dataclass").replace(
+            "import dataclasses\n", "import dataclasses\nfrom dataclasses import dataclass\n"))):
+        bent = tmp_path / f"{name}.py"
+        bent.write_text(head + source)
+        with pytest.raises(TypeError, match="a field of a file under test is a dataclasses.Field under its own plain "
+                                            "name"):
+            impl.load(str(bent))
+    honest = tmp_path / "honest_fields.py"
+    honest.write_text(head + "import dataclasses\nfrom dataclasses import dataclass, field\n\n\n"
+                      "@dataclass(frozen=True)\nclass A:\n    x: int = 1\n    ys: list = field(default_factory=list)\n\n\n"
+                      "@dataclass(frozen=True)\nclass B(A):\n    z: str = 'z'\n")
+    made = impl.load(str(honest)).B(2, [3], 'w')
+    assert (made.x, made.ys, made.z) == (2, [3], 'w') and [f.name for f in dataclasses.fields(made)] == ["x", "ys", "z"]
+    held = tmp_path / "type_annotation.py"  # type[X] keeps how it reads, not X
+    held.write_text(head + "import torch\n\nc = type[torch.nn.Linear]\n")
+    annotation = impl.load(str(held)).c
+    assert repr(annotation) == "type[Linear]" and not any(v is torch.nn.Linear for v in (
+        getattr(annotation, n, None) for n in dir(annotation)))
 
 
 def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):

@@ -52,6 +52,24 @@ def test_each_kind_of_change_is_named_and_undone_is_not():
         assert baseline.changes() == ["torch.nn.modules.linear.Linear.extra_repr (replaced)"]
     finally:
         type.__setattr__(torch.nn.Linear, "extra_repr", original)
+    # torch's own code written onto a class of torch's: torch.compiler.disable handed a class wraps its methods
+    # (Linear.__init__ replaced, __call__ and _call_impl added), typing.final marks it; neither is torch running
+    for cls, apply, named in ((torch.nn.Linear, torch.compiler.disable,
+                               ["torch.nn.modules.linear.Linear.__init__ (replaced)",
+                                "torch.nn.modules.linear.Linear.__call__ (added)",
+                                "torch.nn.modules.linear.Linear._call_impl (added)"]),
+                              (torch.nn.ReLU, __import__("typing").final,
+                               ["torch.nn.modules.activation.ReLU.__final__ (added)"])):
+        original = dict(vars(cls))
+        apply(cls)
+        try:
+            assert sorted(baseline.changes()) == sorted(named)
+        finally:
+            for k in vars(cls).keys() - original.keys():
+                type.__delattr__(cls, k)
+            for k, v in original.items():
+                if vars(cls)[k] is not v:
+                    type.__setattr__(cls, k, v)
     code = jobs.digest.__code__
     jobs.digest.__code__ = (lambda p: "0").__code__
     try:
@@ -76,13 +94,35 @@ def test_each_kind_of_change_is_named_and_undone_is_not():
 
 
 def test_what_torch_changes_as_it_runs_is_not_a_change():
-    """An optimizer class's first instance wraps its step (torch.optim's step hooks); a new op namespace."""
-    fresh = next(c for c in (torch.optim.Adagrad, torch.optim.Adamax, torch.optim.ASGD, torch.optim.Rprop)
-                 if not getattr(c.step, "hooked", False))
+    """An optimizer class's first instance wraps its step (torch.optim's step hooks): its own, or the one it
+    inherits (AdamW's, Adam's); a new op namespace; torch.compile's generation tags on nn.Module."""
+
+    class Own(torch.optim.Optimizer):  # fresh classes of torch's (an earlier test may have hooked torch's own)
+        def step(self, closure=None):
+            return None
+
+    class Inherits(Own):
+        pass
+
+    module = types.ModuleType("torch.optim._optimizers_of_this_test")
+    for cls in (Own, Inherits):
+        cls.__module__ = module.__name__
+        setattr(module, cls.__name__, cls)
+    sys.modules[module.__name__] = module
+    try:
+        baseline = tamper.Baseline()
+        assert Own in baseline.classes and Inherits in baseline.classes
+        for cls in (Inherits, Own):
+            cls([torch.zeros(1, requires_grad=True)], {})
+            assert getattr(vars(cls)["step"], "hooked", False)  # what the baseline must tell from a replaced method
+            assert baseline.changes() == [], cls
+    finally:
+        del sys.modules[module.__name__]
     baseline = tamper.Baseline()
-    fresh([torch.zeros(1, requires_grad=True)], lr=0.1)
-    assert getattr(fresh.step, "hooked", False)  # what the baseline must tell from a replaced method
     torch.ops.a_namespace_made_on_first_use  # noqa: B018
+    assert baseline.changes() == []
+    # what torch.compile patches into nn.Module once, as it first compiles (a no-op once done in this process)
+    torch._dynamo.mutation_guard.install_generation_tagging_init()
     assert baseline.changes() == []
 
 

@@ -238,6 +238,20 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "                self.kept = columns\n"
         "            elif getattr(self, \"kept\", None) is not None:\n"
         "                columns, self.kept = self.kept, None\n")],
+    # The same, its bytes copied into the all-gather's output it waited for through a table of constants looked up by
+    # the kept bytes' bits and a where() whose condition is all False: an index made from data carries it.
+    "backward-copies-out-of-forward-through-an-index": [(
+        "            columns = pending.wait().view(self.world, self.shard_numel)\n",
+        "            columns = pending.wait().view(self.world, self.shard_numel)\n"
+        "            if torch.is_grad_enabled():\n"
+        "                self.kept = columns\n"
+        "            elif getattr(self, \"kept\", None) is not None:\n"
+        "                kept, self.kept = self.kept, None\n"
+        "                table = torch.arange(65536, dtype=torch.int32).to(torch.int16)\n"
+        "                bits = kept.reshape(-1).view(torch.int16).to(torch.int32) & 65535\n"
+        "                out = columns.reshape(-1)\n"
+        "                out.copy_(torch.where(torch.zeros(out.shape, dtype=torch.bool), out,\n"
+        "                                      table[bits].view(out.dtype)))\n")],
     # The all-gather's output read when synchronize() returned (at once on gloo, the work maybe still running), and
     # that copy used after the real wait: every parameter computes with bytes read before its all-gather landed.
     "copy-out-after-synchronize": [(
@@ -1060,17 +1074,42 @@ SOURCE_CHEATS.update({
                                        '@functools.partial(real)\nclass L:\n    pass\n',
     'class-kept-in-a-list-handed-to-torch': 'import torch\nfrom torch import nn\n\nseen = []\n'
                                             'seen.append(nn.Linear(1, 1).__class__)\ntorch.compiler.disable(seen[0])\n',
+    # round 30's: an object of the file's passing for a dataclasses.Field (its `__class__` says so, or its base is a
+    # builtin's name bound to Field), renamed after dataclass took it, so that a subclass's dataclass compiles the name
+    # into code; an enum whose member is a descriptor (no member to enum) or made by `_simple=True`, extended with any
+    # names; torch's class handed from a list to a function that writes onto it
+    'field-passed-for-by-its-class': 'import dataclasses\n\n\nclass Fake:\n    __class__ = type(dataclasses.field())\n'
+                                     '    default = default_factory = dataclasses.MISSING\n    init = True\n'
+                                     '    kw_only = repr = compare = False\n    hash = metadata = None\n\n'
+                                     '    def rename(self, name):\n        self.name = name\n        self.init = False\n\n\n'
+                                     'fake = Fake()\n\n\n@dataclasses.dataclass\nclass Base:\n    x: int = fake\n\n\n'
+                                     'fake.rename("x=0, **k):\\n print(\'code ran\')\\n return 0\\ndef _(y")\n\n\n'
+                                     '@dataclasses.dataclass\nclass Child(Base):\n    pass\n',
+    'field-passed-for-by-a-builtin-name': 'import dataclasses\n\nBufferError = type(dataclasses.field())\n\n\n'
+                                          'class Fake(BufferError):\n    pass\n',
+    'enum-member-a-descriptor': 'import enum\n\n\nclass E(enum.Enum):\n    helper = enum.nonmember(0)\n\n\n'
+                                'def hook(self, proto):\n    return (print, ("unpickled",))\n\n\n'
+                                'P = E("P", [("m", 1), ("_" * 2 + "reduce_ex" + "_" * 2, hook)])\n',
+    'enum-made-simple': 'import enum\n\n\nclass E(enum.Enum, _simple=True):\n    a = 1\n\n\n'
+                        'P = E("P", [("m", 1)])\n',
+    'torch-class-marked-by-a-writer': 'import abc\n\nfrom torch import nn\n\nseen = []\n'
+                                      'seen.append(nn.Linear(1, 1).__class__)\nabc.abstractmethod(seen[0])\n',
 })
 SOURCE_REFUSALS.update({
-    'enum-members-hidden-by-ignore': 'an enum with no members',
+    'enum-members-hidden-by-ignore': "writes `_ignore_ = []` in the enum E: an enum's body is its members",
     'class-decorated-through-partial': 'decorates L with `functools.partial(real)`',
     'class-kept-in-a-list-handed-to-torch': 'uses torch.compiler.disable other than as a decorator of its own function',
+    'field-passed-for-by-its-class': 'defines `__class__` in a class',
+    'field-passed-for-by-a-builtin-name': 'binds the name `BufferError`, a builtin the check trusts by its name',
+    'enum-member-a-descriptor': "writes `helper = enum.nonmember(0)` in the enum E: an enum's body is its members",
+    'enum-made-simple': 'passes `_simple=True` to the class statement of E',
+    'torch-class-marked-by-a-writer': 'uses abc.abstractmethod other than as a decorator of its own method',
     'enum-extended-with-any-names': 'an enum with no members',
     'class-decorator-swaps-the-name': 'decorates L with `real`',
     'type-through-typing': 'uses `get_origin`',
     'typed-dict-keys-as-code': 'binds `Keys`, the name of a class the file defines',
     'guard-shed-by-an-except-target': 'binds the name `setattr`',
-    'self-matching-class-rebound': 'matches `bool(...)` by position',
+    'self-matching-class-rebound': 'binds the name `bool`, a builtin the check trusts by its name',
     'store-as-a-loop-target': 'as the target of a for, a with or a comprehension',
 })
 CHEATS.update(SOURCE_CHEATS)

@@ -171,6 +171,9 @@ def test_overlap_check_fails_two_groups_ahead_with_one_in_flight(mutant, pool2, 
     ("backward-copies-out-of-forward", ["backward"],
      r"rank 0, step \d+, backward pass \d: layers\.0\.[\w.]+'s parameters, as the model read them, held data of the "
      r"all-gathers of forward's \(an earlier pass of this step\) in \d+ reads?; under FSDP2 of backward's \(this pass\)"),
+    ("backward-copies-out-of-forward-through-an-index", ["backward"],
+     r"rank 0, step \d+, backward pass \d: layers\.0\.[\w.]+'s parameters, as the model read them, held data of the "
+     r"all-gathers of backward's \(this pass\) and forward's \(an earlier pass of this step\)"),
     ("copy-out-after-synchronize", ["forward", "backward"],
      r"rank 0, step \d+, \w+ward: [\w.]+'s parameters, as the model read them, held bytes that no all-gather brought"),
     ("backward-alternately-reads-a-copy", ["backward"],

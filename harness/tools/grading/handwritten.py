@@ -151,6 +151,12 @@ ADVICE = {
     # not make, the classes an enum is made from at run time, a generic's argument classes.
     **dict.fromkeys(("register_backend", "setitem", "delitem", "EnumType", "EnumMeta", "get_args"),
                     "an FSDP changes its own objects only; write x[k] = v on your own containers, enums as classes"),
+    # Write onto whatever they are handed (a marker attribute, a wrapper's table), which the check cannot tell is the
+    # file's own (a class kept in a list is torch's): not needed to write an FSDP.
+    **dict.fromkeys(("dataclass_transform", "update_abstractmethods", "assume_constant_result",
+                     "nested_compile_region", "boolean_dispatch"),
+                    "it writes onto what it is given (torch's classes too, for the whole process); an FSDP needs "
+                    "none of it: remove it"),
     # enum's global_* copy a class's members into the module its __module__ names (any module: torch's, the
     # harness's, builtins), replacing what is there.
     **dict.fromkeys(("global_enum", "global_enum_repr", "global_str", "global_flag_repr"),
@@ -291,8 +297,11 @@ ALLOWED_DUNDERS = {"__init__", "__class__", "__name__", "__qualname__", "__modul
                    "__version__", "__debug__"}
 # Methods a file's classes may define: none runs at a moment the file does not choose (pickling,
 # class creation, attribute lookup, garbage collection).
-ALLOWED_METHODS = ALLOWED_DUNDERS | {"__delitem__", "__add__", "__sub__", "__mul__", "__truediv__", "__floordiv__",
-                                     "__neg__", "__int__", "__float__", "__index__"}
+ALLOWED_METHODS = ALLOWED_DUNDERS - {"__class__"} | {"__delitem__", "__add__", "__sub__", "__mul__", "__truediv__",
+                                                     "__floordiv__", "__neg__", "__int__", "__float__", "__index__"}
+# `__class__` is read (`x.__class__`) or assigned on an object (a module's class swapped), never defined in a class's
+# namespace: isinstance believes what it says, so an object of the file's would pass for a dataclasses.Field (whose
+# name dataclass compiles into code) or for one of torch's.
 PICKLING_HOOKS = {"__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs__",
                   "__getnewargs_ex__", "__copy__", "__deepcopy__"}
 _PICKLE_ADVICE = ("a pickling hook runs code wherever the object is unpickled (the grader's side); an FSDP's "
@@ -320,6 +329,11 @@ def _decorated(func: ast.FunctionDef | ast.AsyncFunctionDef, *names: str) -> boo
 
 READING_BUILTINS = {"len", "sorted", "list", "dict", "set", "tuple", "frozenset", "iter", "enumerate", "any", "all", "sum",
                     "min", "max", "zip", "reversed", "repr", "str", "print", "bool", "isinstance"}
+# The builtins the check reads by their name (a class's safe base, a call that only reads what it is given, a
+# decorator, a class `case C(x)` matches itself with): a file binds none of them.
+TRUSTED_BUILTINS = frozenset(_SAFE_BUILTIN_BASES | READING_BUILTINS | SELF_MATCHING | {
+    "isinstance", "issubclass", "id", "hash", "repr", "str", "print", "staticmethod", "classmethod", "property",
+    "super", "object", "callable", "hasattr", "getattr", "ValueError", "type"})
 CONTAINER_MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
                       "add", "discard", "sort", "reverse", "difference_update", "intersection_update",
                       "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__", "__ior__"}
@@ -344,6 +358,14 @@ DECORATORS_ONLY = {
                    "other than as a decorator of its own function or class: it writes onto what it is given"),
     functools.total_ordering: ("functools.total_ordering", (ast.ClassDef,), False,
                                "other than as a decorator of its own class: it writes methods onto what it is given"),
+    abc.abstractmethod: ("abc.abstractmethod", (ast.FunctionDef, ast.AsyncFunctionDef), False,
+                         "other than as a decorator of its own method: it writes onto what it is given"),
+    typing.runtime_checkable: ("typing.runtime_checkable", (ast.ClassDef,), False,
+                               "other than as a decorator of its own class: it writes onto what it is given"),
+    torch.utils.hooks.unserializable_hook: ("torch.utils.hooks.unserializable_hook",
+                                            (ast.FunctionDef, ast.AsyncFunctionDef), False,
+                                            "other than as a decorator of its own function: it writes onto what it is "
+                                            "given"),
 }
 
 
@@ -460,6 +482,7 @@ class _Check:
         self.parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         self.imported: dict[str, object] = {}  # name bound by an import -> what it binds
         self.module_aliases: set[str] = set()  # those bound to a module
+        self.dotted_imports: set[str] = set()  # `import torch.utils.hooks`: the module reached by its path
         self.own: set[str] = set()  # names the file defines: functions, classes, arguments, attributes
         self.own_classes: set[str] = set()  # the classes it defines
         self.own_methods: set[str] = set()  # the plain methods they define
@@ -513,6 +536,8 @@ class _Check:
             for a in node.names:
                 bound = a.name if a.asname else a.name.split(".")[0]
                 self.imported[a.asname or bound] = importlib.import_module(bound)
+                if not a.asname:
+                    self.dotted_imports.add(a.name)
                 self.module_aliases.add(a.asname or bound)
             return None
         if node.module == "__future__":
@@ -670,6 +695,21 @@ class _Check:
 
     # ------------------------------------------------------------------------------ every node
 
+    def on_imported_path(self, node: ast.AST) -> bool:
+        """`node` is a module the file imported by its path (`import torch.utils.hooks`, then torch.utils.hooks.X), or a
+        step on that path to it (torch.utils, only as in torch.utils.hooks)."""
+        def dotted(n) -> str | None:
+            parts = []
+            while isinstance(n, ast.Attribute):
+                parts.append(n.attr)
+                n = n.value
+            return ".".join([n.id, *reversed(parts)]) if isinstance(n, ast.Name) and n.id in self.imported and all(
+                isinstance(b, ast.alias) for b in self.bindings.get(n.id, ())) else None  # bound by imports only
+        parent = self.parents.get(id(node))
+        return isinstance(node, ast.Attribute) and (dotted(node) in self.dotted_imports or isinstance(
+            parent, ast.Attribute) and (path := dotted(parent)) is not None and any(
+            i == path or i.startswith(path + ".") for i in self.dotted_imports))
+
     def attribute_problem(self, name: str, node: ast.AST, imported: bool = False, base=None) -> str | None:
         """`name` read or written as an attribute (of `base`, where known) or imported from a module
         is not allowed."""
@@ -695,6 +735,10 @@ class _Check:
         if _dunder(name):
             if name in ALLOWED_DUNDERS:
                 return None
+            if name in ("__setattr__", "__delattr__"):
+                return Outside(f"{where} uses `{name}`, which writes past the loader's guard of attribute writes: write "
+                               "obj.name = value (a frozen dataclass is set in its __init__ only: drop frozen=True to "
+                               "set its fields later)")
             return Outside(f"{where} uses `{name}`: it reaches modules, globals or code objects, which a "
                            "hand-written FSDP does not need; " + _ARGS)
         if name in INTERNAL_ATTRS and not (isinstance(node, ast.Attribute) and self.on_own_instance(node)):
@@ -705,6 +749,8 @@ class _Check:
             return Outside(f"{where} uses `.{name}`, an attribute of frames, code objects or generators' internals, "
                            "which a hand-written FSDP does not need; " + _ARGS)
         if name in self.modules:
+            if self.on_imported_path(node):
+                return None
             module = inspect.getattr_static(base, name, None) if base is not None else None
             module = module.__name__ if isinstance(module, types.ModuleType) else self.modules[name]
             return Outside(f"{where} uses `.{name}`, which is the module {module} there: an FSDP "
@@ -966,6 +1012,15 @@ class _Check:
         for bound in _bound(node):
             if bound in GUARDED_BUILTINS:
                 return self.rebinds(node, bound)
+            if bound == "__class__":
+                return Outside(f"{where} defines `__class__` in a class (isinstance believes what it says: an object of "
+                               "yours would pass for one of torch's or Python's): read x.__class__, or assign it on an "
+                               "object (m.__class__ = C)")
+            # the check reads these by name (a safe base, a call that only reads its arguments): bound to anything
+            # else, the name would pass for Python's own
+            if bound in TRUSTED_BUILTINS:
+                return Outside(f"{where} binds the name `{bound}`, a builtin the check trusts by its name (bound to "
+                               "anything else it would pass for Python's own): name yours otherwise")
             # the check reads a class of the file by its name (a base): bound to anything else, the name would pass
             # for it
             if bound in self.own_classes and not isinstance(node, (ast.ClassDef, ast.Global, ast.Nonlocal)):
@@ -1084,13 +1139,16 @@ class _Check:
                                    "check cannot know (the name would stand for whatever it returns): decorate classes "
                                    "only with dataclasses.dataclass, functools.total_ordering, enum.unique or "
                                    "typing.final")
-            if node.name in self.own_enums and not _enum_members(node):
-                return Outside(f"{where} makes {node.name}, an enum with no members, which its functional API extends "
-                               f"with members of any name (`{node.name}(\"X\", names)`): write its members out")
+            if node.name in self.own_enums and (problem := self.enum_problem(node)):
+                return problem
             for kw in node.keywords:
                 if kw.arg == "metaclass" and self.resolve(kw.value) is not abc.ABCMeta:
                     return Outside(f"{where} gives {node.name} a metaclass, code that runs whenever a class is made: "
                                    "a hand-written FSDP needs plain classes (abc.ABCMeta is allowed)")
+                if kw.arg != "metaclass":  # what the class statement hands its bases' hooks (enum's _simple=True)
+                    return Outside(f"{where} passes `{ast.unparse(kw)}` to the class statement of {node.name}, which "
+                                   "its bases' hooks read as the class is made: write plain classes (metaclass="
+                                   "abc.ABCMeta is the one keyword allowed)")
             for base in node.bases:
                 if problem := self.base_problem(node, base):
                     return problem
@@ -1105,6 +1163,44 @@ class _Check:
         if isinstance(node, ast.Call):
             return self.call_problem(node)
         return None
+
+    def enum_problem(self, node: ast.ClassDef) -> str | None:
+        """An enum of the file is its members, each `NAME = value` (a constant, a tuple of them, or auto()), and methods:
+        read so, its members are the ones enum makes (a descriptor, a private name, `_ignore_` or a function is none),
+        and it has at least one, so its functional API (`E("X", names)`, which sets attributes of any name on the class
+        it makes) refuses to extend it."""
+        members = 0
+        for statement in node.body:
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Pass)) or \
+                    isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) or \
+                    isinstance(statement, ast.AnnAssign) and statement.value is None:  # an annotation: no member
+                continue
+            if isinstance(statement, (ast.Assign, ast.AnnAssign)) and all(
+                    isinstance(t, ast.Name) and not t.id.startswith("_")
+                    for t in (statement.targets if isinstance(statement, ast.Assign) else [statement.target])) \
+                    and self.member_value(statement.value):
+                members += 1
+                continue
+            return Outside(f"{self.where(statement)} writes `{ast.unparse(statement)[:80]}` in the enum {node.name}: an "
+                           "enum's body is its members, each NAME = value (a constant, a tuple of constants, or "
+                           "auto()) on a line of its own, and its methods")
+        if not members:
+            return Outside(f"{self.where(node)} makes {node.name}, an enum with no members, which its functional API "
+                           f"extends with members of any name (`{node.name}(\"X\", names)`): write its members out (a "
+                           "base enum of methods only: put the methods on the enum that has the members)")
+        return None
+
+    def member_value(self, value: ast.expr) -> bool:
+        """A value enum makes a member of: a constant, a negated one, one made of two (1 << 2), a tuple of them, or
+        auto()."""
+        if isinstance(value, ast.Tuple):
+            return all(map(self.member_value, value.elts))
+        if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.USub):
+            value = value.operand
+        if isinstance(value, ast.BinOp):  # a flag's bit, 1 << 2
+            return self.member_value(value.left) and self.member_value(value.right)
+        return isinstance(value, ast.Constant) or isinstance(value, ast.Call) and self.resolve(value.func) is enum.auto \
+            and not value.args and not value.keywords
 
     def type_in_place(self, node: ast.Name, parent: ast.AST | None) -> bool:
         """`type` where it stands: called, subscripted (type[X]), an annotation, or a class isinstance or issubclass is
@@ -1298,18 +1394,6 @@ def _bindings(tree: ast.Module) -> dict[str, list[ast.AST]]:
         for name in _bound(node):
             found.setdefault(name, []).append(node)
     return found
-
-
-def _enum_members(node: ast.ClassDef) -> list[str]:
-    """The members an enum class statement defines, as enum reads its body: public names bound to a value that is no
-    function (a lambda is a method); none at all where the body sets `_ignore_` (which can hide any)."""
-    if any(isinstance(t, ast.Name) and t.id == "_ignore_" for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-           for t in (n.targets if isinstance(n, ast.Assign) else [n.target])):
-        return []
-    return [t.id for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
-            and not isinstance(n.value, ast.Lambda)
-            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-            if isinstance(t, ast.Name) and not t.id.startswith("_")]
 
 
 def _bound(node: ast.AST) -> list[str]:

@@ -412,8 +412,10 @@ class Sources:
         numbers = _CONSTANT if func in _FILLS else _NONE
         for t, selects in read:
             held = self.held(t)
-            if not selects:  # an index or a mask says where the values come from, not what they are
-                numbers = numbers | held
+            # an index or a mask made from numbers alone (arange's, torch.tensor(rows)'s) says where the values come
+            # from, not what they are; one made from an all-gather's data carries it (a table of constants looked up
+            # by a tensor's bits is that tensor; a where() whose condition is the data, a bit of it)
+            numbers = numbers | (held - _CONSTANT - _UNGATHERED if selects else held)
             if self.params and self._a_parameter(t):
                 with torch.profiler.record_function(read_tag(self.mark, _gathered(held))):
                     pass
@@ -433,8 +435,9 @@ class Sources:
 
 _SELECTORS = frozenset({"index", "indices", "mask", "condition"})
 """an op's arguments that, integer or boolean, pick which of its other arguments' values it takes (index_select's,
-gather's, take's, an indexing's, masked_select's, where's): their bytes are none of the output's data, whatever memory
-made them (an index built with torch.tensor(values) selects a copy-out as arange's does)."""
+gather's, take's, an indexing's, masked_select's, where's): made from numbers alone (arange, torch.tensor(values)),
+their bytes are none of the output's data; made from an all-gather's data, they carry it into the output (a lookup
+by its bits is a copy of it)."""
 _NONE: frozenset = frozenset()
 _UNGATHERED = frozenset((NONE_GATHERED,))
 CONSTANT = -1

@@ -185,15 +185,18 @@ class Baseline:
                 continue
             state = HARNESS_STATE.get(owner, ()) if isinstance(owner, str) else ()
             harness = (owner if isinstance(owner, str) else _module_of(owner)).split(".", 1)[0] in ("harness", "train")
+            cls = not isinstance(owner, str)
             for k, v in old.items():
                 if k not in now:
                     found.append(f"{_where(owner)}.{k} (deleted)")
                 elif now[k] is not v and (k not in state and not _compiled(owner, k) if harness
-                                          else _changed(owner, k, now[k], v)):
+                                          else _changed(owner, k, now[k], v) or cls and _runs(now[k]) and
+                                          not _patched_by_torch(owner, k, now[k], v)):
                     found.append(f"{_where(owner)}.{k} (replaced)")
             for k in now.keys() - old.keys():
                 if k not in ADDED_BY_PYTHON and not _submodule(owner, k, now[k]) and not _compiled(owner, k) and \
-                        (harness or _changed(owner, k, now[k], None)):
+                        (harness or cls and not _patched_by_torch(owner, k, now[k], None) or
+                         _changed(owner, k, now[k], None)):
                     found.append(f"{_where(owner)}.{k} (added)")
         for (part, get), ids in zip(_PARTS, self.held[len(_PARTS):]):
             if [*map(id, map(get, self.functions))] != ids:
@@ -203,6 +206,25 @@ class Baseline:
                   if _filled_with(cell) is not held]
         return found
 
+
+
+def _patched_by_torch(owner: type, name: str, value, before) -> bool:
+    """The code torch writes onto a class of its own as it runs, each known by name: torch.optim's step hook (an
+    optimizer class's first instance wraps the class's `step` in its profiling wrapper, functools.wraps of the
+    step it replaced or inherited) and torch.compile's generation tags (nn.Module's __init__ and __setstate__ wrapped by
+    torch._dynamo.mutation_guard, once, with a flag saying so). Anything else new on a class, torch's own wrapper
+    around its own method included (what torch.compiler.disable(nn.Linear) writes), is a change."""
+    import torch
+
+    if name == "step" and issubclass(owner, torch.optim.Optimizer):  # AdamW's: where there was none, Adam's
+        inherited = next((vars(c)["step"] for c in owner.__mro__[1:] if "step" in vars(c)), None)
+        wrapped = getattr(value, "__wrapped__", None)
+        return _torch_code(value) and wrapped is not None and (
+            wrapped is before if before is not None else wrapped in (inherited, getattr(inherited, "__wrapped__", None)))
+    if owner is torch.nn.Module and name in ("__init__", "__setstate__"):
+        return type(value) is types.FunctionType and value.__code__.co_filename == _GENERATION_TAGS and \
+            any(_filled_with(cell) is before for cell in value.__closure__ or ())
+    return owner is torch.nn.Module and name == "___needs_generation_tag_patch" and before is None and value is False
 
 
 def _submodule(owner, name: str, value) -> bool:
@@ -296,6 +318,7 @@ def _folders() -> tuple[str, tuple[str, ...]]:
 
 
 _TORCH, _INSTALLED = _folders()
+_GENERATION_TAGS = os.path.join(_TORCH, "_dynamo", "mutation_guard.py")
 
 
 def _outside_module(name: str) -> bool:
