@@ -70,7 +70,8 @@ def load(impl: str) -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         store, delete = _guarded(setattr, name), _guarded(delattr, name)
         guarded_type = _guarded_type(name)
-        guards = {"setattr": store, "delattr": delete, "type": guarded_type, "__import__": _guarded_import()}
+        guards = {"setattr": store, "delattr": delete, "type": guarded_type, "__import__": _guarded_import(),
+                  "__build_class__": _guarded_build_class}
         # the guards in the file's own builtins too: a name the file's code deleted from its globals (what an
         # `except ... as setattr` does when its block ends) falls back to them, not to Python's
         module.__dict__.update(guards, __builtins__={**vars(builtins), **guards},
@@ -226,7 +227,8 @@ def _class_of(guarded_type):
 # (isinstance, which believes an object's `__class__`), its bases' fields as it finds them. The source check keeps
 # the file from defining `__class__` or renaming a Field; behind it, the file's `dataclasses` (imported through the
 # guarded __import__) is Python's but for `dataclass`, which makes a class only from fields that are
-# dataclasses.Field itself, each under its own plain name (an identifier), its bases' too.
+# dataclasses.Field itself, each under its own plain name (an identifier), its bases' too; and no class statement of the
+# file makes a class that passes for a Field (_guarded_build_class).
 def _checked_dataclass(real):
     import dataclasses
     import keyword
@@ -256,6 +258,18 @@ def _checked_dataclass(real):
     dataclass.__name__ = dataclass.__qualname__ = "dataclass"
     dataclass.__doc__ = real.__doc__
     return dataclass
+
+
+def _guarded_build_class(func, name, *bases, **kwargs):
+    """The file's class statements: Python's, but no class of the file passes for a dataclasses.Field (a subclass of
+    it, or one whose `__class__` says so), which dataclass would take as a field whatever its name."""
+    import dataclasses
+
+    made = builtins.__build_class__(func, name, *bases, **kwargs)
+    if isinstance(made, type) and (issubclass(made, dataclasses.Field) or "__class__" in vars(made)):
+        raise TypeError(f"class {name}: a class of a file under test neither derives from dataclasses.Field nor defines "
+                        "__class__ (isinstance would take its objects for another's): write plain classes")
+    return made
 
 
 def _guarded_import():

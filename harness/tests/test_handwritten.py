@@ -202,6 +202,15 @@ HONEST = {
         'def keep(module: torch.nn.Module, hook) -> torch.utils.hooks.RemovableHandle:\n'
         '    return module.register_forward_pre_hook(hook)\n'
     ),
+    'one_module_imported_by_several_paths': 'import torch\nimport torch.nn\nimport torch.distributed as dist\nimport torch.distributed\n',
+    'flag_of_bits_and_composites': (
+        'import enum\n'
+        'class Phase(enum.IntFlag):\n'
+        '    NONE = 0\n'
+        '    FORWARD = 1 << 0\n'
+        '    BACKWARD = 1 << 1\n'
+        '    BOTH = FORWARD | BACKWARD\n'
+    ),
     'enum_of_members_and_methods': (
         'import enum\n'
         'class State(enum.Enum):\n'
@@ -396,7 +405,7 @@ OUTSIDE = {
     "context_entered_by_hand": ("import torch\ntorch.no_grad().__enter__()\n", 2, "with a `with`"),
     "torch_container_changed": ("import torch.distributed as dist\ndist.Backend.backend_list.append('x')\n", 2,
                                 "which belongs to torch or Python"),
-    "warnings_filters_cleared": ("import warnings\nwarnings.filters.clear()\n", 2, "which belongs to torch or Python"),
+    "warnings_filters_cleared": ("import warnings\nwarnings.filters.clear()\n", 2, "uses `.filters`"),
     # A process group of its own, whose backend's collectives never reach the dispatcher (the collective log).
     "dispatch_key_excluded": ("import torch\ndef f():\n    return torch.ExcludeDispatchKeyGuard(torch.DispatchKeySet(torch.DispatchKey.Python))\n",
                               3, "dispatch keys are not its to change"),
@@ -479,6 +488,22 @@ OUTSIDE = {
                               "it writes onto what it is given"),
     "object_setattr": ("class C:\n    def __init__(self):\n        object.__setattr__(self, 'x', 1)\n", 3,
                        "drop frozen=True"),
+    # An imported name is one import: a function's own import, or another further down, runs with another object.
+    "import_shadowed_in_a_function": ("import torch as m\ndef f():\n    import os as m\n    return m.fork\n", 1,
+                                      "binds `m`, a name the file imports, to something else too"),
+    "import_rebound_later": ("from dataclasses import Field as B\nclass F(B):\n    pass\nfrom torch.nn import Module as B\n",
+                             1, "binds `B`, a name the file imports, to something else too"),
+    "import_rebound_by_assignment": ("import torch as t\nt = 1\n", 2, "binds `t`, a name the file imports"),
+    "dataclass_through_torch": ("import torch.compiler\n@torch.compiler.dataclass\nclass A:\n    x: int = 0\n", 2,
+                                "reaches dataclasses.dataclass as `torch.compiler.dataclass`"),
+    "dataclass_imported_through_torch": ("from torch.compiler import dataclass\n", 1,
+                                         "take it from dataclasses"),
+    "flag_without_a_bit": ("import enum\nclass F(enum.Flag):\n    NONE = 0\n    BOTH = 3\n", 2,
+                           "a Flag's members are single bits"),
+    "typed_storage_of_a_variable_called_self": ("def f(self):\n    get = self.storage\n", 2, "a tensor's typed storage"),
+    "logger_filters_changed": ("import logging\nlogging.getLogger('x').filters.append(print)\n", 2,
+                               "uses `.filters`, an attribute of a standard helper's internals"),
+    "tensor_split": ("import torch\ndef f(x, at):\n    return torch.tensor_split(x, at)\n", 3, "split() or chunk()"),
     "own_function_unpacked_torch_class": ("import torch\ndef put(o, n, v):\n    pass\nput(*[torch.Tensor, 'add_', 1])\n",
                                           4, "to its own function put"),
 }
@@ -588,8 +613,8 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
 
 
 def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):
-    """[Note: the dataclass of a file under test]: an object passing for a dataclasses.Field (its `__class__` said so),
-    or a Field renamed after its class was made, never reaches the code dataclass compiles."""
+    """[Note: the dataclass of a file under test]: a Field renamed after its class was made never reaches the code
+    dataclass compiles, and no class of the file passes for a Field (derived from it, or its `__class__` saying so)."""
     import dataclasses
 
     import torch
@@ -597,17 +622,24 @@ def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):
     from harness import impl
 
     head = "class MixedPrecisionPolicy:\n    pass\n\n\ndef fully_shard(module, **kw):\n    return module\n\n\n"
-    fake = ("import dataclasses\n\n\nclass Fake:\n    __class__ = type(dataclasses.field())\n    default = "
-            "dataclasses.MISSING\n    default_factory = dataclasses.MISSING\n    init = True\n    kw_only = False\n"
-            "    repr = False\n    compare = False\n    hash = None\n    metadata = None\n\n\n"
-            "@dataclasses.dataclass\nclass Base:\n    x: int = Fake()\n")
-    for name, source in (("fake", fake), ("fake_from", fake.replace("@dataclasses.dataclass", "@dataclass").replace(
-            "import dataclasses\n", "import dataclasses\nfrom dataclasses import dataclass\n"))):
-        bent = tmp_path / f"{name}.py"
+    renamed = ("import dataclasses\n\n\nf = dataclasses.field(default=0)\n\n\n@dataclasses.dataclass\nclass Base:\n"
+               "    x: int = f\n\n\nobject.__setattr__(f, 'name', 'x=0):\\n print(1)\\ndef _(y')\n\n\n"
+               "@dataclasses.dataclass\nclass Child(Base):\n    pass\n")
+    for name, source in (("renamed", renamed), ("renamed_from", renamed.replace("@dataclasses.dataclass", "@dataclass")
+                                                .replace("import dataclasses\n", "import dataclasses\nfrom dataclasses "
+                                                         "import dataclass\n"))):
+        bent = tmp_path / f"{name}.py"  # a Field renamed past the source check (which refuses object.__setattr__)
         bent.write_text(head + source)
         with pytest.raises(TypeError, match="a field of a file under test is a dataclasses.Field under its own plain "
                                             "name"):
             impl.load(str(bent))
+    for name, body in (("derived", "class Fake(dataclasses.Field):\n    pass\n"),
+                       ("said", "class Fake:\n    __class__ = dataclasses.Field\n")):
+        made = tmp_path / f"{name}.py"  # a class statement making one at all
+        made.write_text(head + "import dataclasses\n\n\n" + body)
+        with pytest.raises(TypeError, match="class Fake: a class of a file under test neither derives from "
+                                            "dataclasses.Field nor defines __class__"):
+            impl.load(str(made))
     honest = tmp_path / "honest_fields.py"
     honest.write_text(head + "import dataclasses\nfrom dataclasses import dataclass, field\n\n\n"
                       "@dataclass(frozen=True)\nclass A:\n    x: int = 1\n    ys: list = field(default_factory=list)\n\n\n"

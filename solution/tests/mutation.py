@@ -1094,6 +1094,19 @@ SOURCE_CHEATS.update({
                         'P = E("P", [("m", 1)])\n',
     'torch-class-marked-by-a-writer': 'import abc\n\nfrom torch import nn\n\nseen = []\n'
                                       'seen.append(nn.Linear(1, 1).__class__)\nabc.abstractmethod(seen[0])\n',
+    # round 31's: a name imported twice (the check read the last import; the class between ran with the first, a
+    # dataclasses.Field to derive from), and dataclass reached through a module of torch's (Python's own, not the
+    # loader's checked one)
+    'name-imported-twice': 'from dataclasses import Field as Base\n\n\nclass Fake(Base):\n    pass\n\n\n'
+                           'from torch.nn import Module as Base  # noqa: E402,F811\n',
+    'dataclass-through-torch': 'import torch.compiler\n\n\n@torch.compiler.dataclass\nclass A:\n    x: int = 0\n',
+    # a Flag whose values are no single bits has no members (extended by its functional API with any names); an
+    # all-gather's output polled by tensor_split, which reads its index tensor's values where no op shows it
+    'flag-without-members': 'import enum\n\n\nclass F(enum.Flag):\n    a = 3\n\n\n'
+                            'def hook(self, proto):\n    return (print, ("unpickled",))\n\n\n'
+                            'P = F("P", [("_" * 2 + "reduce_ex" + "_" * 2, hook), ("m", 1)])\n',
+    'all-gather-polled-by-tensor-split': 'import torch\n\n\ndef landed(out, at):\n'
+                                         '    return len(torch.tensor_split(torch.zeros(1).expand(1 << 40), out[at])) == 2\n',
 })
 SOURCE_REFUSALS.update({
     'enum-members-hidden-by-ignore': "writes `_ignore_ = []` in the enum E: an enum's body is its members",
@@ -1104,6 +1117,10 @@ SOURCE_REFUSALS.update({
     'enum-member-a-descriptor': "writes `helper = enum.nonmember(0)` in the enum E: an enum's body is its members",
     'enum-made-simple': 'passes `_simple=True` to the class statement of E',
     'torch-class-marked-by-a-writer': 'uses abc.abstractmethod other than as a decorator of its own method',
+    'name-imported-twice': 'binds `Base`, a name the file imports, to something else too',
+    'dataclass-through-torch': 'reaches dataclasses.dataclass as `torch.compiler.dataclass`',
+    'flag-without-members': 'makes F, an enum with no members',
+    'all-gather-polled-by-tensor-split': 'uses `tensor_split`',
     'enum-extended-with-any-names': 'an enum with no members',
     'class-decorator-swaps-the-name': 'decorates L with `real`',
     'type-through-typing': 'uses `get_origin`',

@@ -25,6 +25,7 @@ import enum
 import functools
 import importlib
 import inspect
+import operator
 import os
 import string
 import sys
@@ -153,6 +154,9 @@ ADVICE = {
                     "an FSDP changes its own objects only; write x[k] = v on your own containers, enums as classes"),
     # Write onto whatever they are handed (a marker attribute, a wrapper's table), which the check cannot tell is the
     # file's own (a class kept in a list is torch's): not needed to write an FSDP.
+    # Reads its index tensor's values in C++ (const_data_ptr), where no op shows the read: a poll of a collective's
+    # output the log cannot see before its wait.
+    "tensor_split": "split a tensor with split() or chunk(), whose sizes are numbers",
     **dict.fromkeys(("dataclass_transform", "update_abstractmethods", "assume_constant_result",
                      "nested_compile_region", "boolean_dispatch"),
                     "it writes onto what it is given (torch's classes too, for the whole process); an FSDP needs "
@@ -273,9 +277,11 @@ ATTRIBUTE_BUILTINS = ("getattr", "hasattr", "setattr", "delattr")
 GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file its own setattr, delattr and type
 # Instance attributes of the standard helpers' objects that hold their internals: a @contextmanager's generator
 # (resumed by hand, its context stays on past the with block), warnings.catch_warnings' module, the redirect
-# contexts' streams, an ExitStack's callbacks, logging's manager and its loggers. Not the API, and not
+# contexts' streams, an ExitStack's callbacks, logging's manager, its loggers, a logger's filters and handlers (a
+# list changed in place past addFilter). Not the API, and not
 # introspected (set in __init__): the file's own attributes take these names only on `self`.
-INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict"}
+INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict", "filters",
+                  "handlers"}
 CLASS_DECORATORS = (dataclasses.dataclass, functools.total_ordering, enum.unique, typing.final)
 """what may decorate a class of the file: each returns the class it is given (by identity: functools.partial(f) or any
 other wrapper of a function would put f's result under the class's name)"""
@@ -483,6 +489,7 @@ class _Check:
         self.imported: dict[str, object] = {}  # name bound by an import -> what it binds
         self.module_aliases: set[str] = set()  # those bound to a module
         self.dotted_imports: set[str] = set()  # `import torch.utils.hooks`: the module reached by its path
+        self.import_values: dict[str, list] = {}  # name -> what each import of it binds
         self.own: set[str] = set()  # names the file defines: functions, classes, arguments, attributes
         self.own_classes: set[str] = set()  # the classes it defines
         self.own_methods: set[str] = set()  # the plain methods they define
@@ -536,6 +543,7 @@ class _Check:
             for a in node.names:
                 bound = a.name if a.asname else a.name.split(".")[0]
                 self.imported[a.asname or bound] = importlib.import_module(bound)
+                self.import_values.setdefault(a.asname or bound, []).append(self.imported[a.asname or bound])
                 if not a.asname:
                     self.dotted_imports.add(a.name)
                 self.module_aliases.add(a.asname or bound)
@@ -561,7 +569,10 @@ class _Check:
                 self.module_aliases.add(a.asname or a.name)
             elif node.module not in MODULE_ATTRS and (problem := self.attribute_problem(a.name, node, imported=True)):
                 return problem
+            if value is dataclasses.dataclass and node.module != "dataclasses":
+                return self.dataclass_elsewhere(node, f"from {node.module} import {a.name}")
             self.imported[a.asname or a.name] = value
+            self.import_values.setdefault(a.asname or a.name, []).append(value)
         return None
 
     # ------------------------------------------------------------------------------ the file's own names
@@ -743,8 +754,8 @@ class _Check:
                            "hand-written FSDP does not need; " + _ARGS)
         if name in INTERNAL_ATTRS and not (isinstance(node, ast.Attribute) and self.on_own_instance(node)):
             return Outside(f"{where} uses `.{name}`, an attribute of a standard helper's internals (a context "
-                           "manager's generator, warnings' module, logging's manager): name your own attribute "
-                           "otherwise")
+                           "manager's generator, warnings' module or filters, logging's manager, a logger's filters and "
+                           "handlers): name your own attribute otherwise")
         if name in self.names.frames:
             return Outside(f"{where} uses `.{name}`, an attribute of frames, code objects or generators' internals, "
                            "which a hand-written FSDP does not need; " + _ARGS)
@@ -776,8 +787,9 @@ class _Check:
             if isinstance(call, ast.Call) and call.func is node:
                 return Outside(f"{where} calls `{ast.unparse(node)}()`, a typed storage: use x.untyped_storage() and "
                                f"call {_STORAGE_USES} on it {note}")
-            if isinstance(self.resolve(node), types.ModuleType) or isinstance(node.value, ast.Name) and node.value.id == "self":
-                return None  # the module torch.storage (refused as a module), or the file's own attribute
+            if isinstance(self.resolve(node), types.ModuleType) or self.on_own_instance(node):
+                return None  # the module torch.storage (refused as a module), or the file's own attribute (self in a
+                # method of its class; not any variable so named)
             return Outside(f"{where} takes `{ast.unparse(node)}`, a tensor's typed storage: use x.untyped_storage() and "
                            f"call {_STORAGE_USES} on it {note}")
         if not (isinstance(call, ast.Call) and call.func is node):
@@ -997,6 +1009,11 @@ class _Check:
             return Outside(f"{self.where(node)} uses {name} {advice}")
         return None
 
+    def dataclass_elsewhere(self, node: ast.AST, written: str) -> str:
+        return Outside(f"{self.where(node)} reaches dataclasses.dataclass as `{written}`: take it from dataclasses "
+                       "(`from dataclasses import dataclass`, or dataclasses.dataclass), whose dataclass the loader "
+                       "checks")
+
     def rebinds(self, node: ast.AST, name: str) -> str:
         return Outside(f"{self.where(node)} binds the name `{name}`, the builtin the check and the loader watch: "
                        "name yours otherwise")
@@ -1012,6 +1029,12 @@ class _Check:
         for bound in _bound(node):
             if bound in GUARDED_BUILTINS:
                 return self.rebinds(node, bound)
+            # the check reads an imported name as its import: one name, one object, bound by imports only (a
+            # function's own import, or a second import further down, would run with another than the one read)
+            if bound in self.imported and (not isinstance(node, ast.alias) or
+                                           len({id(v) for v in self.import_values.get(bound, ())}) > 1):
+                return Outside(f"{where} binds `{bound}`, a name the file imports, to something else too (the check "
+                               "reads it as one import): give each its own name")
             if bound == "__class__":
                 return Outside(f"{where} defines `__class__` in a class (isinstance believes what it says: an object of "
                                "yours would pass for one of torch's or Python's): read x.__class__, or assign it on an "
@@ -1062,6 +1085,9 @@ class _Check:
                                "in place (len(x), x[k], for v in x); an FSDP changes its own containers only")
         if any(value is d for d in DECORATORS_ONLY) and (problem := self.decorator_problem(node, value)):
             return problem
+        if value is dataclasses.dataclass and isinstance(node, ast.Attribute) and \
+                self.resolve(node.value) is not dataclasses:  # torch.compiler.dataclass: Python's, not the loader's
+            return self.dataclass_elsewhere(node, ast.unparse(node))
         # torch's own functions and methods are never the file's to replace, under whatever alias it reached
         # them (a list item, a loop variable, a default argument, `type(t)`): no write to an attribute so named.
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) \
@@ -1169,17 +1195,22 @@ class _Check:
         read so, its members are the ones enum makes (a descriptor, a private name, `_ignore_` or a function is none),
         and it has at least one, so its functional API (`E("X", names)`, which sets attributes of any name on the class
         it makes) refuses to extend it."""
-        members = 0
+        flag = any(isinstance(b, type) and issubclass(b, enum.Flag) for b in map(self.resolve, node.bases))
+        members, names = 0, set()
         for statement in node.body:
             if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Pass)) or \
                     isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) or \
                     isinstance(statement, ast.AnnAssign) and statement.value is None:  # an annotation: no member
                 continue
-            if isinstance(statement, (ast.Assign, ast.AnnAssign)) and all(
-                    isinstance(t, ast.Name) and not t.id.startswith("_")
-                    for t in (statement.targets if isinstance(statement, ast.Assign) else [statement.target])) \
-                    and self.member_value(statement.value):
-                members += 1
+            targets = statement.targets if isinstance(statement, ast.Assign) else \
+                [statement.target] if isinstance(statement, ast.AnnAssign) else None
+            if targets and all(isinstance(t, ast.Name) and not t.id.startswith("_") for t in targets) \
+                    and self.member_value(statement.value, names):
+                # a Flag's members are its single bits (0 and several bits are no member of it)
+                bits = _int_value(statement.value)
+                members += not flag or isinstance(statement.value, ast.Call) or \
+                    bits is not None and bits > 0 and bits & (bits - 1) == 0
+                names.update(t.id for t in targets)
                 continue
             return Outside(f"{self.where(statement)} writes `{ast.unparse(statement)[:80]}` in the enum {node.name}: an "
                            "enum's body is its members, each NAME = value (a constant, a tuple of constants, or "
@@ -1187,18 +1218,20 @@ class _Check:
         if not members:
             return Outside(f"{self.where(node)} makes {node.name}, an enum with no members, which its functional API "
                            f"extends with members of any name (`{node.name}(\"X\", names)`): write its members out (a "
-                           "base enum of methods only: put the methods on the enum that has the members)")
+                           "base enum of methods only: put the methods on the enum that has the members; a Flag's "
+                           "members are single bits, 1, 2, 4, or auto())")
         return None
 
-    def member_value(self, value: ast.expr) -> bool:
-        """A value enum makes a member of: a constant, a negated one, one made of two (1 << 2), a tuple of them, or
-        auto()."""
+    def member_value(self, value: ast.expr, members: set[str]) -> bool:
+        """A value enum makes a member of: a constant, a negated one, one made of two (1 << 2, or a Flag's composite of
+        earlier members, A | B), a tuple of them, or auto()."""
         if isinstance(value, ast.Tuple):
-            return all(map(self.member_value, value.elts))
+            return all(self.member_value(v, members) for v in value.elts)
         if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.USub):
             value = value.operand
-        if isinstance(value, ast.BinOp):  # a flag's bit, 1 << 2
-            return self.member_value(value.left) and self.member_value(value.right)
+        if isinstance(value, ast.BinOp):
+            return all(isinstance(v, ast.Name) and v.id in members or self.member_value(v, members)
+                       for v in (value.left, value.right))
         return isinstance(value, ast.Constant) or isinstance(value, ast.Call) and self.resolve(value.func) is enum.auto \
             and not value.args and not value.keywords
 
@@ -1394,6 +1427,18 @@ def _bindings(tree: ast.Module) -> dict[str, list[ast.AST]]:
         for name in _bound(node):
             found.setdefault(name, []).append(node)
     return found
+
+
+def _int_value(node: ast.expr) -> int | None:
+    """The integer a constant expression of integers is (1, 1 << 3, 2 | 4), or None."""
+    if isinstance(node, ast.Constant):
+        return node.value if type(node.value) is int else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.LShift, ast.BitOr, ast.Add, ast.Mult)):
+        left, right = _int_value(node.left), _int_value(node.right)
+        if left is not None and right is not None and 0 <= right < 64:
+            return {ast.LShift: operator.lshift, ast.BitOr: operator.or_, ast.Add: operator.add,
+                    ast.Mult: operator.mul}[type(node.op)](left, right)
+    return None
 
 
 def _bound(node: ast.AST) -> list[str]:

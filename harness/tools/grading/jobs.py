@@ -188,7 +188,8 @@ def _runs(t: torch.Tensor, most: int = 4096) -> list[tuple[int, int]] | None:
 # all-gathers whose data the op read (a copy-out, a cast, a view's reshaping copy, a sum with them), or
 # NONE_GATHERED where it read bytes that hold no all-gather's data (a fresh tensor, a copy from elsewhere, a random
 # draw: an op that reads none writes none). Constants
-# (CONSTANT: what zeros, arange or fill_ make from a number or two, and what ops make of them alone) are no memory's
+# (CONSTANT: what zeros, arange or fill_ make from a number or two, torch.tensor from Python numbers, and what ops make
+# of them alone) are no memory's
 # data: beside an all-gather's, they are nothing (a sum of zeros and a copy-out holds the copy-out's); alone,
 # nothing gathered.
 #
@@ -413,9 +414,10 @@ class Sources:
         for t, selects in read:
             held = self.held(t)
             # an index or a mask made from numbers alone (arange's, torch.tensor(rows)'s) says where the values come
-            # from, not what they are; one made from an all-gather's data carries it (a table of constants looked up
-            # by a tensor's bits is that tensor; a where() whose condition is the data, a bit of it)
-            numbers = numbers | (held - _CONSTANT - _UNGATHERED if selects else held)
+            # from, not what they are; one made from memory's data carries it (a table of constants looked up by a
+            # tensor's bits is that tensor; a where() whose condition is the data, a bit of it), memory that holds
+            # nothing gathered too (torch.empty's may hold a freed tensor's bytes)
+            numbers = numbers | (held - _CONSTANT if selects else held)
             if self.params and self._a_parameter(t):
                 with torch.profiler.record_function(read_tag(self.mark, _gathered(held))):
                     pass
@@ -436,8 +438,9 @@ class Sources:
 _SELECTORS = frozenset({"index", "indices", "mask", "condition"})
 """an op's arguments that, integer or boolean, pick which of its other arguments' values it takes (index_select's,
 gather's, take's, an indexing's, masked_select's, where's): made from numbers alone (arange, torch.tensor(values)),
-their bytes are none of the output's data; made from an all-gather's data, they carry it into the output (a lookup
-by its bits is a copy of it)."""
+their bytes are none of the output's data; made from memory's data (an all-gather's, or memory that holds none, such
+as torch.empty's, which may hold a freed tensor's bytes), they carry it into the output (a lookup by its bits is a
+copy of it)."""
 _NONE: frozenset = frozenset()
 _UNGATHERED = frozenset((NONE_GATHERED,))
 CONSTANT = -1
@@ -479,6 +482,9 @@ _FRESH = {getattr(torch.ops.aten, n) for n in (
     "new_empty_strided") if hasattr(torch.ops.aten, n)}
 """ops that return new memory the collective log does not otherwise see written: `torch.tensor(values)` (its
 `lift_fresh`), and the shape-only factories that leave it as it was or fill it at random."""
+_FROM_PYTHON = {getattr(torch.ops.aten, n) for n in ("lift_fresh", "lift_fresh_copy") if hasattr(torch.ops.aten, n)}
+"""`torch.tensor(values)`: new memory holding values from Python numbers, constants (`CONSTANT`) as a factory's; a
+tensor's data reaches Python numbers only through `.item()` (the source check refuses the other ways out)."""
 _MADE = {overload for n in ("zeros", "ones", "full", "arange", "eye", "linspace", "scalar_tensor", "zeros_like",
                              "ones_like", "full_like", "new_zeros", "new_ones", "new_full") if hasattr(torch.ops.aten, n)
          for overload in (getattr(getattr(torch.ops.aten, n), o) for o in getattr(torch.ops.aten, n).overloads())
@@ -691,7 +697,7 @@ class CommLog(TorchDispatchMode):
                                       lambda: func(*args, **kwargs))  # an out= resized
             for t in _tensors(out):
                 if _followed(t):
-                    self.sources.write(t, _CONSTANT if func in _MADE else _NONE)
+                    self.sources.write(t, _CONSTANT if func in _MADE or func.overloadpacket in _FROM_PYTHON else _NONE)
             return out
         if self.sources is not None and func.overloadpacket in _RESIZING and isinstance(args[0], torch.Tensor):
             return self.sources.moving((args[0].untyped_storage(),), lambda: func(*args, **kwargs))
