@@ -248,6 +248,11 @@ def _checked_dataclass(real):
         for name in cls.__dict__.get("__annotations__", {}):
             if not plain(name):
                 raise TypeError(f"dataclass({cls.__qualname__}): a field's name is an identifier, not {name!r}")
+            default = getattr(cls, name, None)  # what dataclass takes as the field's default: inherited too
+            if isinstance(default, dataclasses.Field) and type(default) is not dataclasses.Field:
+                raise TypeError(f"dataclass({cls.__qualname__}): a field of a file under test is a dataclasses.Field "
+                                f"under its own plain name (an identifier), not {type(default).__qualname__} "
+                                f"{name!r}: write fields as `name: type = default` or dataclasses.field(...)")
         return cls
 
     def dataclass(cls=None, /, **kwargs):
@@ -262,13 +267,19 @@ def _checked_dataclass(real):
 
 def _guarded_build_class(func, name, *bases, **kwargs):
     """The file's class statements: Python's, but no class of the file passes for a dataclasses.Field (a subclass of
-    it, or one whose `__class__` says so), which dataclass would take as a field whatever its name."""
+    it, or one whose `__class__` says so), which dataclass would take as a field whatever its name, and no enum of the
+    file is without members (however enum read its body: its functional API, which makes classes past this guard,
+    extends only such an enum)."""
     import dataclasses
+    import enum
 
     made = builtins.__build_class__(func, name, *bases, **kwargs)
     if isinstance(made, type) and (issubclass(made, dataclasses.Field) or "__class__" in vars(made)):
         raise TypeError(f"class {name}: a class of a file under test neither derives from dataclasses.Field nor defines "
                         "__class__ (isinstance would take its objects for another's): write plain classes")
+    if isinstance(made, enum.EnumType) and not made._member_names_:
+        raise TypeError(f"class {name}: an enum of a file under test has members (one without any, its functional API "
+                        "extends with members of any name, dunders included): write its members out")
     return made
 
 

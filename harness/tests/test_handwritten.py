@@ -504,6 +504,14 @@ OUTSIDE = {
     "logger_filters_changed": ("import logging\nlogging.getLogger('x').filters.append(print)\n", 2,
                                "uses `.filters`, an attribute of a standard helper's internals"),
     "tensor_split": ("import torch\ndef f(x, at):\n    return torch.tensor_split(x, at)\n", 3, "split() or chunk()"),
+    "enum_hook": ("import enum\nclass F(enum.Flag):\n    def _generate_next_value_(name, start, count, last):\n"
+                  "        return 3\n    a = enum.auto()\n", 3, "defines `_generate_next_value_` in the enum F"),
+    "enum_mixin": ("import enum\nclass M:\n    pass\nclass F(M, enum.Flag):\n    a = 1\n", 4,
+                   "derives the enum F from `M`"),
+    "traced_control_flow": ("import torch\ndef f(p, x):\n    return torch.cond(p, len, len, (x,))\n", 3,
+                            "write plain Python control flow"),
+    "class_deep_in_a_literal": ("import weakref\nfrom torch import nn\nweakref.ref([[(1, type(nn.Linear(1, 1)))]])\n", 3,
+                                "hands `type(nn.Linear(1, 1))`, a class"),
     "own_function_unpacked_torch_class": ("import torch\ndef put(o, n, v):\n    pass\nput(*[torch.Tensor, 'add_', 1])\n",
                                           4, "to its own function put"),
 }
@@ -640,6 +648,22 @@ def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):
         with pytest.raises(TypeError, match="class Fake: a class of a file under test neither derives from "
                                             "dataclasses.Field nor defines __class__"):
             impl.load(str(made))
+    enumless = tmp_path / "enumless.py"  # an enum enum made without members, however the check read its body
+    enumless.write_text(head + "import enum\n\n\nclass F(enum.Flag):\n    a = 3\n")
+    with pytest.raises(TypeError, match="class F: an enum of a file under test has members"):
+        impl.load(str(enumless))
+
+    class Fake:  # a field inherited from a plain base, where dataclass finds it by getattr
+        __class__ = dataclasses.Field
+
+    class Plain:
+        x = Fake()
+
+    class Child(Plain):
+        x: int
+
+    with pytest.raises(TypeError, match="a field of a file under test is a dataclasses.Field under its own plain name"):
+        impl._checked_dataclass(dataclasses.dataclass)(Child)
     honest = tmp_path / "honest_fields.py"
     honest.write_text(head + "import dataclasses\nfrom dataclasses import dataclass, field\n\n\n"
                       "@dataclass(frozen=True)\nclass A:\n    x: int = 1\n    ys: list = field(default_factory=list)\n\n\n"

@@ -1107,6 +1107,14 @@ SOURCE_CHEATS.update({
                             'P = F("P", [("_" * 2 + "reduce_ex" + "_" * 2, hook), ("m", 1)])\n',
     'all-gather-polled-by-tensor-split': 'import torch\n\n\ndef landed(out, at):\n'
                                          '    return len(torch.tensor_split(torch.zeros(1).expand(1 << 40), out[at])) == 2\n',
+    # round 32's: a Flag emptied by its own _generate_next_value_ (auto() is 3, no single bit), or by a mixin whose
+    # _value_ says 3, then extended with any names
+    'flag-emptied-by-its-auto': 'import enum\n\n\nclass F(enum.Flag):\n'
+                                '    def _generate_next_value_(name, start, count, last):\n        return 3\n\n'
+                                '    a = enum.auto()\n\n\nP = F("P", [("m", 1)])\n',
+    'flag-emptied-by-a-mixin': 'import enum\n\n\nclass M:\n    @property\n    def _value_(self):\n        return 3\n\n'
+                               '    @_value_.setter\n    def _value_(self, v):\n        pass\n\n\n'
+                               'class F(M, enum.Flag):\n    a = 1\n\n\nP = F("P", [("m", 1)])\n',
 })
 SOURCE_REFUSALS.update({
     'enum-members-hidden-by-ignore': "writes `_ignore_ = []` in the enum E: an enum's body is its members",
@@ -1121,6 +1129,8 @@ SOURCE_REFUSALS.update({
     'dataclass-through-torch': 'reaches dataclasses.dataclass as `torch.compiler.dataclass`',
     'flag-without-members': 'makes F, an enum with no members',
     'all-gather-polled-by-tensor-split': 'uses `tensor_split`',
+    'flag-emptied-by-its-auto': 'defines `_generate_next_value_` in the enum F',
+    'flag-emptied-by-a-mixin': 'derives the enum F from `M`',
     'enum-extended-with-any-names': 'an enum with no members',
     'class-decorator-swaps-the-name': 'decorates L with `real`',
     'type-through-typing': 'uses `get_origin`',

@@ -157,6 +157,9 @@ ADVICE = {
     # Reads its index tensor's values in C++ (const_data_ptr), where no op shows the read: a poll of a collective's
     # output the log cannot see before its wait.
     "tensor_split": "split a tensor with split() or chunk(), whose sizes are numbers",
+    # Compile or trace the file's own functions (torch.compile under other names), where the check and the log do
+    # not follow them.
+    **dict.fromkeys(("cond", "while_loop", "vmap"), "write plain Python control flow and loops"),
     **dict.fromkeys(("dataclass_transform", "update_abstractmethods", "assume_constant_result",
                      "nested_compile_region", "boolean_dispatch"),
                     "it writes onto what it is given (torch's classes too, for the whole process); an FSDP needs "
@@ -928,12 +931,7 @@ class _Check:
         if func in ("isinstance", "issubclass", "type", "id", "hash", "repr", "str", "print") or \
                 func in self.own_functions and func not in self.rebound:
             return None  # the file's own functions (a name bound only by their def): call_problem's rule
-        given = [*node.args, *(kw.value for kw in node.keywords)]
-        for arg in list(given):
-            inner = arg.value if isinstance(arg, ast.Starred) else arg
-            if isinstance(inner, (ast.List, ast.Tuple, ast.Set)):
-                given += inner.elts
-        for arg in given:
+        for arg in (given := _given(node)):
             if self.class_of_something(arg) or isinstance(arg, ast.Name) and arg.id in self.class_vars:
                 return Outside(f"{self.where(node)} hands `{ast.unparse(arg)}`, a class, to `{ast.unparse(node.func)}`, "
                                "which may change it for the whole process: read a class in place (type(x).__name__, "
@@ -1196,8 +1194,20 @@ class _Check:
         and it has at least one, so its functional API (`E("X", names)`, which sets attributes of any name on the class
         it makes) refuses to extend it."""
         flag = any(isinstance(b, type) and issubclass(b, enum.Flag) for b in map(self.resolve, node.bases))
+        for base in node.bases:  # a mixin's attributes (a `_value_` property) change which members enum makes
+            value = self.resolve(base)
+            if not (isinstance(value, type) and issubclass(value, enum.Enum) or isinstance(base, ast.Name) and
+                    base.id in self.own_enums):
+                return Outside(f"{self.where(node)} derives the enum {node.name} from `{ast.unparse(base)}`: an enum of "
+                               "the file derives from enum's classes only (a mixin's attributes change which members "
+                               "enum makes)")
         members, names = 0, set()
         for statement in node.body:
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name.startswith("_") and \
+                    statement.name.endswith("_") and not _dunder(statement.name):
+                return Outside(f"{self.where(statement)} defines `{statement.name}` in the enum {node.name}: enum calls "
+                               "it as it makes members (`_generate_next_value_` says what auto() is, and so which "
+                               "members there are): write the members' values out, and plain methods")
             if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Pass)) or \
                     isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) or \
                     isinstance(statement, ast.AnnAssign) and statement.value is None:  # an annotation: no member
@@ -1355,14 +1365,7 @@ class _Check:
         # torch's or Python's classes handed to the file's own functions, where a computed-name setattr (the way a
         # module's parameter is swapped) could then write over their methods.
         if func in self.own_functions:
-            given = [*node.args, *(kw.value for kw in node.keywords)]
-            for arg in list(given):  # a literal unpacked in place: its items are arguments too
-                inner = arg.value if isinstance(arg, ast.Starred) else arg
-                if isinstance(inner, (ast.List, ast.Tuple, ast.Set)):
-                    given += inner.elts
-                elif isinstance(inner, ast.Dict):
-                    given += inner.values
-            for arg in given:
+            for arg in _given(node):
                 if isinstance(self.resolve(arg), type) or isinstance(arg, ast.Name) and arg.id in (
                         self.foreign | self.class_vars) or isinstance(arg, ast.Call) and self.foreign_value(arg) \
                         or self.class_of_something(arg):
@@ -1427,6 +1430,18 @@ def _bindings(tree: ast.Module) -> dict[str, list[ast.AST]]:
         for name in _bound(node):
             found.setdefault(name, []).append(node)
     return found
+
+
+def _given(call: ast.Call) -> list[ast.expr]:
+    """A call's arguments, and the items of the literal containers among them, however deep (`f([(k, cls)])`)."""
+    given = [*call.args, *(kw.value for kw in call.keywords)]
+    for arg in given:  # grows as it goes: a container's items are read in their turn
+        inner = arg.value if isinstance(arg, ast.Starred) else arg
+        if isinstance(inner, (ast.List, ast.Tuple, ast.Set)):
+            given += inner.elts
+        elif isinstance(inner, ast.Dict):
+            given += [v for v in inner.values if v is not None]
+    return given
 
 
 def _int_value(node: ast.expr) -> int | None:
