@@ -117,7 +117,9 @@ def _guarded(builtin, own: str):
         return TypeError(f"{builtin.__name__}({shown!r}, {name!r}, ...): {why}")
 
     def guarded(obj, name, *value):  # every attribute write of the file: only checks here, nothing built
-        if isinstance(name, str) and len(name) > 4 and name[:2] == name[-2:] == "__" and name not in _WRITABLE_DUNDERS:
+        if type(name) is not str:  # a str of the file's class answers the tests below its own way (its __len__)
+            raise refused(obj, name, "a file under test names an attribute with a plain str")
+        if len(name) > 4 and name[:2] == name[-2:] == "__" and name not in _WRITABLE_DUNDERS:
             raise refused(obj, name, f"a file under test writes no {name} (a hook or a way to code); write plain "
                           "attributes")
         if name == "__class__" and not isinstance(obj, torch.nn.Module):  # FSDP swaps a module's class only
@@ -196,10 +198,10 @@ def _guarded_type(own: str):
                     raise refused(f"a class made by a file under test derives from its own classes, object, nn.Module "
                                   f"or autograd.Function, not {base!r}")
             for key in namespace:
-                if not isinstance(key, str) or key.startswith("__") and key.endswith("__") and key not in _CLASS_DUNDERS:
+                if type(key) is not str or key.startswith("__") and key.endswith("__") and key not in _CLASS_DUNDERS:
                     raise refused(f"a class made by a file under test has plain names, not {key!r} (a hook Python "
                                   "calls on its own): write the class out")
-            if "__module__" in namespace and namespace["__module__"] != own:
+            if "__module__" in namespace and (type(namespace["__module__"]) is not str or namespace["__module__"] != own):
                 raise refused("a class made by a file under test belongs to the file: leave `__module__` out of its "
                               "namespace (a class that names torch's module passes for torch's)")
             return type(name, bases, {**namespace, "__module__": own})  # the file's, as its own type() would say
@@ -248,11 +250,14 @@ def _checked_dataclass(real):
         for name in cls.__dict__.get("__annotations__", {}):
             if not plain(name):
                 raise TypeError(f"dataclass({cls.__qualname__}): a field's name is an identifier, not {name!r}")
-            default = getattr(cls, name, None)  # what dataclass takes as the field's default: inherited too
-            if isinstance(default, dataclasses.Field) and type(default) is not dataclasses.Field:
-                raise TypeError(f"dataclass({cls.__qualname__}): a field of a file under test is a dataclasses.Field "
-                                f"under its own plain name (an identifier), not {type(default).__qualname__} "
-                                f"{name!r}: write fields as `name: type = default` or dataclasses.field(...)")
+        for base in cls.__mro__:  # what dataclass may take as a default by getattr (inherited too), read in place
+            for name, held in dict(vars(base)).items():
+                if type(held) is not dataclasses.Field and type(held).__module__ == cls.__module__ and (
+                        isinstance(held, dataclasses.Field) or any(hasattr(type(held), hook) for hook in (
+                            "__get__", "__getattribute__", "__getattr__"))):
+                    raise TypeError(f"dataclass({cls.__qualname__}): a field of a file under test is a dataclasses.Field "
+                                    f"under its own plain name (an identifier), not {type(held).__qualname__} "
+                                    f"{name!r}: write fields as `name: type = default` or dataclasses.field(...)")
         return cls
 
     def dataclass(cls=None, /, **kwargs):

@@ -512,6 +512,12 @@ OUTSIDE = {
                             "write plain Python control flow"),
     "class_deep_in_a_literal": ("import weakref\nfrom torch import nn\nweakref.ref([[(1, type(nn.Linear(1, 1)))]])\n", 3,
                                 "hands `type(nn.Linear(1, 1))`, a class"),
+    "enum_made_from_unpacked_arguments": ("import enum\nY = enum.Enum(*['Y', [('m', 1)]])\n", 2,
+                                          "makes an enum from strings"),
+    "enum_made_from_unpacked_keywords": ("import enum\nY = enum.Enum('Y', **{'names': [('m', 1)]})\n", 2,
+                                         "makes an enum from strings"),
+    "type_from_unpacked_arguments": ("def f(parts):\n    return type(*parts)\n", 2,
+                                     "calls `type` with its arguments unpacked"),
     "own_function_unpacked_torch_class": ("import torch\ndef put(o, n, v):\n    pass\nput(*[torch.Tensor, 'add_', 1])\n",
                                           4, "to its own function put"),
 }
@@ -664,6 +670,11 @@ def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):
 
     with pytest.raises(TypeError, match="a field of a file under test is a dataclasses.Field under its own plain name"):
         impl._checked_dataclass(dataclasses.dataclass)(Child)
+    named = tmp_path / "named.py"  # a name of a str class of the file's, whose __len__ answered the guard's test
+    named.write_text(head + "class Name(str):\n    def __len__(self):\n        return 0\n\n\nclass C:\n    pass\n\n\n"
+                     "setattr(C, Name('_' + '_reduce_ex__'), print)\n")
+    with pytest.raises(TypeError, match="a file under test names an attribute with a plain str"):
+        impl.load(str(named))
     honest = tmp_path / "honest_fields.py"
     honest.write_text(head + "import dataclasses\nfrom dataclasses import dataclass, field\n\n\n"
                       "@dataclass(frozen=True)\nclass A:\n    x: int = 1\n    ys: list = field(default_factory=list)\n\n\n"

@@ -1112,6 +1112,12 @@ SOURCE_CHEATS.update({
     'flag-emptied-by-its-auto': 'import enum\n\n\nclass F(enum.Flag):\n'
                                 '    def _generate_next_value_(name, start, count, last):\n        return 3\n\n'
                                 '    a = enum.auto()\n\n\nP = F("P", [("m", 1)])\n',
+    # round 33's: enum's functional API, and type(), called with their arguments unpacked (the counts the check read
+    # were of the starred list)
+    'enum-made-from-unpacked-arguments': 'import enum\n\n\ndef hook(self, proto):\n    return (print, ("unpickled",))\n\n\n'
+                                         'Y = enum.Enum(*["Y", [("m", 1), ("_" * 2 + "reduce_ex" + "_" * 2, hook)]])\n',
+    'type-from-unpacked-arguments': 'def hook(self, proto):\n    return (print, ("unpickled",))\n\n\n'
+                                    'Z = type(*["Z", (object,), {"_" * 2 + "reduce_ex" + "_" * 2: hook}])\n',
     'flag-emptied-by-a-mixin': 'import enum\n\n\nclass M:\n    @property\n    def _value_(self):\n        return 3\n\n'
                                '    @_value_.setter\n    def _value_(self, v):\n        pass\n\n\n'
                                'class F(M, enum.Flag):\n    a = 1\n\n\nP = F("P", [("m", 1)])\n',
@@ -1131,6 +1137,8 @@ SOURCE_REFUSALS.update({
     'all-gather-polled-by-tensor-split': 'uses `tensor_split`',
     'flag-emptied-by-its-auto': 'defines `_generate_next_value_` in the enum F',
     'flag-emptied-by-a-mixin': 'derives the enum F from `M`',
+    'enum-made-from-unpacked-arguments': 'makes an enum from strings',
+    'type-from-unpacked-arguments': 'calls `type` with its arguments unpacked',
     'enum-extended-with-any-names': 'an enum with no members',
     'class-decorator-swaps-the-name': 'decorates L with `real`',
     'type-through-typing': 'uses `get_origin`',

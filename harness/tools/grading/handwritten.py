@@ -1346,6 +1346,9 @@ class _Check:
         if func == "type" and len(node.args) == 1 and self.class_of_something(node.args[0]):
             return Outside(f"{where} takes `{ast.unparse(node)}`, the class of a class (a metaclass, which makes classes "
                            "from any namespace): write classes out")
+        if (func == "type" or isinstance(node.func, ast.Name) and node.func.id in self.own_enums) and _unpacks(node):
+            return Outside(f"{where} calls `{ast.unparse(node.func)}` with its arguments unpacked (`*` or `**`): write them "
+                           "out, so the check can read which class it makes or which member it looks up")
         if func == "type" and len(node.args) == 3:
             namespace = node.args[2]
             if not (isinstance(namespace, ast.Dict) and all(
@@ -1374,7 +1377,7 @@ class _Check:
                                    "in place (isinstance(x, torch.Tensor))")
         value = resolved
         if isinstance(value, type) and issubclass(value, enum.Enum) and (
-                len(node.args) >= 2 or any(kw.arg == "names" for kw in node.keywords)):
+                len(node.args) >= 2 or any(kw.arg == "names" for kw in node.keywords) or _unpacks(node)):
             return Outside(f"{where} makes an enum from strings, whose functional API sets any attribute on the "
                            "class it makes: write the enum out as a class")
         return None
@@ -1430,6 +1433,11 @@ def _bindings(tree: ast.Module) -> dict[str, list[ast.AST]]:
         for name in _bound(node):
             found.setdefault(name, []).append(node)
     return found
+
+
+def _unpacks(call: ast.Call) -> bool:
+    """A call with an argument unpacked (`f(*xs)`, `f(**kw)`): how many, and under which names, the check cannot read."""
+    return any(isinstance(a, ast.Starred) for a in call.args) or any(kw.arg is None for kw in call.keywords)
 
 
 def _given(call: ast.Call) -> list[ast.expr]:

@@ -195,7 +195,8 @@ class Baseline:
                     found.append(f"{_where(owner)}.{k} (replaced)")
             for k in now.keys() - old.keys():
                 if k not in ADDED_BY_PYTHON and not _submodule(owner, k, now[k]) and not _compiled(owner, k) and \
-                        (harness or cls and not _patched_by_torch(owner, k, now[k], None) or
+                        (harness or cls and not _patched_by_torch(owner, k, now[k], None) and
+                         not _annotations_read(k, now[k]) or
                          _changed(owner, k, now[k], None)):
                     found.append(f"{_where(owner)}.{k} (added)")
         for (part, get), ids in zip(_PARTS, self.held[len(_PARTS):]):
@@ -206,6 +207,12 @@ class Baseline:
                   if _filled_with(cell) is not held]
         return found
 
+
+
+def _annotations_read(name: str, value) -> bool:
+    """What Python adds to a class whose `__annotations__` is first read (typing's inspection, torch.compile's
+    tracing): an empty dict."""
+    return name == "__annotations__" and type(value) is dict and not value
 
 
 def _patched_by_torch(owner: type, name: str, value, before) -> bool:
