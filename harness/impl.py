@@ -239,25 +239,26 @@ def _checked_dataclass(real):
         return type(name) is str and name.isidentifier() and not keyword.iskeyword(name)
 
     def checked(cls):
+        def refuse(held, key):
+            raise TypeError(f"dataclass({cls.__qualname__}): a field of a file under test is a dataclasses.Field under "
+                            f"its own plain name (an identifier), not {type(held).__qualname__} {key!r}: write fields "
+                            "as `name: type = default` or dataclasses.field(...)")
+
         for base in cls.__mro__:
-            fields = base.__dict__.get("__dataclass_fields__") if base is not cls else {
-                k: v for k, v in base.__dict__.items() if isinstance(v, dataclasses.Field)}
+            namespace = dict(vars(base))
+            fields = namespace.get("__dataclass_fields__") if base is not cls else {
+                k: v for k, v in namespace.items() if isinstance(v, dataclasses.Field)}
             for key, field in dict(fields or {}).items():
                 if type(field) is not dataclasses.Field or not plain(key) or base is not cls and field.name != key:
-                    raise TypeError(f"dataclass({cls.__qualname__}): a field of a file under test is a dataclasses.Field "
-                                    f"under its own plain name (an identifier), not {type(field).__qualname__} "
-                                    f"{key!r}: write fields as `name: type = default` or dataclasses.field(...)")
-        for name in cls.__dict__.get("__annotations__", {}):
-            if not plain(name):
-                raise TypeError(f"dataclass({cls.__qualname__}): a field's name is an identifier, not {name!r}")
-        for base in cls.__mro__:  # what dataclass may take as a default by getattr (inherited too), read in place
-            for name, held in dict(vars(base)).items():
+                    refuse(field, key)
+            for key, held in namespace.items():  # what dataclass may take as a default by getattr, read in place
                 if type(held) is not dataclasses.Field and type(held).__module__ == cls.__module__ and (
                         isinstance(held, dataclasses.Field) or any(hasattr(type(held), hook) for hook in (
                             "__get__", "__getattribute__", "__getattr__"))):
-                    raise TypeError(f"dataclass({cls.__qualname__}): a field of a file under test is a dataclasses.Field "
-                                    f"under its own plain name (an identifier), not {type(held).__qualname__} "
-                                    f"{name!r}: write fields as `name: type = default` or dataclasses.field(...)")
+                    refuse(held, key)
+        for name in cls.__dict__.get("__annotations__", {}):
+            if not plain(name):
+                raise TypeError(f"dataclass({cls.__qualname__}): a field's name is an identifier, not {name!r}")
         return cls
 
     def dataclass(cls=None, /, **kwargs):
