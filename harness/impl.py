@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import __future__
 import ast
 import builtins
 import hashlib
@@ -50,6 +51,8 @@ def run_name(fsdp: str, impl: str) -> str:
 
 
 _REFUSED: str | None = None
+_LOADED: set[str] = set()
+"""the paths of the files under test this process loaded (what their code objects name)"""
 
 
 def refuse_files(reason: str) -> None:
@@ -78,6 +81,8 @@ def load(impl: str) -> ModuleType:
                                **{_STORE: store, _DELETE: delete, _CLASS: _class_of(guarded_type),
                                   "__effdl_operator__": operator})
         sys.modules[name] = module
+        _LOADED.add(str(path))
+        guard_enum_api()
         try:
             exec(_guarded_code(path), module.__dict__)
         except BaseException:
@@ -98,10 +103,11 @@ def load(impl: str) -> ModuleType:
 # builtins past them), which write only onto instances (the file's own objects, modules, tensors, an
 # autograd Function's ctx), never onto a class, a module or a function the file did not define, and no
 # dunder that leads to code. `obj.name = value` in the file is rewritten to the same call (_GuardStores).
-_WRITABLE_DUNDERS = frozenset({"__class__", "__doc__", "__name__", "__qualname__", "__module__"})
+_WRITABLE_DUNDERS = frozenset({"__class__", "__doc__", "__name__", "__qualname__"})
 
 
 def _guarded(builtin, own: str):
+    import inspect
     import types
 
     import torch
@@ -122,6 +128,9 @@ def _guarded(builtin, own: str):
         if len(name) > 4 and name[:2] == name[-2:] == "__" and name not in _WRITABLE_DUNDERS:
             raise refused(obj, name, f"a file under test writes no {name} (a hook or a way to code); write plain "
                           "attributes")
+        if isinstance(obj, torch.Tensor) and callable(inspect.getattr_static(type(obj), name, None)):
+            raise refused(obj, name, "a file under test sets no attribute named as a method of the tensor's class (the "
+                          "collective log and torch call it on that tensor): name your attribute otherwise")
         if name == "__class__" and not isinstance(obj, torch.nn.Module):  # FSDP swaps a module's class only
             raise refused(obj, name, "a file under test changes the class of modules only (an autograd ctx's class "
                           "names its backward node)")
@@ -204,7 +213,11 @@ def _guarded_type(own: str):
             if "__module__" in namespace and (type(namespace["__module__"]) is not str or namespace["__module__"] != own):
                 raise refused("a class made by a file under test belongs to the file: leave `__module__` out of its "
                               "namespace (a class that names torch's module passes for torch's)")
-            return type(name, bases, {**namespace, "__module__": own})  # the file's, as its own type() would say
+            if problem := _slots_problem(namespace.get("__slots__", ())):
+                raise refused(problem)
+            made = type(name, bases, {**namespace, "__module__": own})  # the file's, as its own type() would say
+            _check_made(made, name)
+            return made
 
     type_.__name__ = type_.__qualname__ = "type"
     class_of = _class_of(type_)
@@ -234,9 +247,20 @@ def _class_of(guarded_type):
 def _checked_dataclass(real):
     import dataclasses
     import keyword
+    import types
 
     def plain(name) -> bool:
         return type(name) is str and name.isidentifier() and not keyword.iskeyword(name)
+
+    def answers(held) -> bool:
+        """An object whose lookups run code of a file under test (a __get__ that toggles what the check and
+        dataclass read); the lookups of Python's and torch's objects (an enum member's, a function's) do not."""
+        for hook in ("__get__", "__set__", "__delete__", "__getattr__", "__getattribute__"):
+            found = getattr(type(held), hook, None)
+            found = getattr(found, "__func__", found)
+            if isinstance(found, types.FunctionType) and found.__code__.co_filename in _LOADED:
+                return True
+        return False
 
     def checked(cls):
         def refuse(held, key):
@@ -252,10 +276,11 @@ def _checked_dataclass(real):
                 if type(field) is not dataclasses.Field or not plain(key) or base is not cls and field.name != key:
                     refuse(field, key)
             for key, held in namespace.items():  # what dataclass may take as a default by getattr, read in place
-                if type(held) is not dataclasses.Field and type(held).__module__ == cls.__module__ and (
-                        isinstance(held, dataclasses.Field) or any(hasattr(type(held), hook) for hook in (
-                            "__get__", "__getattribute__", "__getattr__"))):
+                if isinstance(held, dataclasses.Field) and type(held) is not dataclasses.Field or answers(held):
                     refuse(held, key)
+        for name in cls.__dict__.get("__annotations__", {}):  # and as dataclass reads it
+            if isinstance(held := getattr(cls, name, None), dataclasses.Field) and type(held) is not dataclasses.Field:
+                refuse(held, name)
         for name in cls.__dict__.get("__annotations__", {}):
             if not plain(name):
                 raise TypeError(f"dataclass({cls.__qualname__}): a field's name is an identifier, not {name!r}")
@@ -276,17 +301,89 @@ def _guarded_build_class(func, name, *bases, **kwargs):
     it, or one whose `__class__` says so), which dataclass would take as a field whatever its name, and no enum of the
     file is without members (however enum read its body: its functional API, which makes classes past this guard,
     extends only such an enum)."""
+    made = builtins.__build_class__(func, name, *bases, **kwargs)
+    if isinstance(made, type) and (problem := _slots_problem(vars(made).get("__slots__", ()))):
+        raise TypeError(f"class {name}: {problem}")
+    _check_made(made, name)
+    return made
+
+
+def _check_made(made, name: str) -> None:
+    """What every class the file makes (a class statement, its type()) is not: see _guarded_build_class."""
     import dataclasses
     import enum
 
-    made = builtins.__build_class__(func, name, *bases, **kwargs)
     if isinstance(made, type) and (issubclass(made, dataclasses.Field) or "__class__" in vars(made)):
         raise TypeError(f"class {name}: a class of a file under test neither derives from dataclasses.Field nor defines "
                         "__class__ (isinstance would take its objects for another's): write plain classes")
     if isinstance(made, enum.EnumType) and not made._member_names_:
         raise TypeError(f"class {name}: an enum of a file under test has members (one without any, its functional API "
                         "extends with members of any name, dunders included): write its members out")
-    return made
+
+
+def _slots_problem(slots) -> str | None:
+    """A class's `__slots__` name plain attributes (and __weakref__, __dict__): a slot named as a dunder
+    (`__class__`) is a descriptor under that name, which a write to it fills instead of what Python does."""
+    for slot in (slots,) if isinstance(slots, str) else slots:
+        if type(slot) is not str or not slot.isidentifier() or (
+                slot[:2] == slot[-2:] == "__" and slot not in ("__weakref__", "__dict__")):
+            return (f"a class of a file under test has slots of plain names, not {slot!r} (a slot named as a dunder "
+                    "stands in for what Python does under that name): name your slots otherwise")
+    return None
+
+
+# [Note: enum's functional API where a file under test runs]
+# `E("Name", names)` makes a class past the loader's guard of class statements, setting on it whatever the names
+# say: a dunder (a pickling hook, a `__class__` that passes for a dataclasses.Field), a sunder hook of enum's, a
+# descriptor (no member, so the enum stays open to more), a `module` that is another's. The source check refuses
+# such a call where it can read it; behind it, in a process that loads a file under test, the functional API makes
+# members only: each name an identifier that starts with no underscore, each value no descriptor, `module` (if
+# given) the caller's own. No one else in such a process needs more: torch writes its enums as classes.
+def guard_enum_api() -> None:
+    """Put the check of [Note: enum's functional API where a file under test runs] before enum's (once)."""
+    import enum
+
+    real = enum.EnumType.__dict__["_create_"]
+    if getattr(real, "_checked", False):
+        return
+
+    def refuse(what: str):
+        raise TypeError(f"enum's functional API makes members only (names that are identifiers starting with no "
+                        f"underscore, values that are no descriptors), not {what}: write the enum out as a class")
+
+    def member(name, value=None, given=False):
+        if type(name) is not str or not name.isidentifier() or name.startswith("_"):
+            refuse(f"a member named {name!r}")
+        if given and any(hasattr(type(value), hook) for hook in ("__get__", "__set__", "__delete__")):
+            refuse(f"{name} = {type(value).__qualname__} (a descriptor)")
+
+    def _create_(cls, class_name, names, *, module=None, **kwargs):
+        if type(names) is str:
+            for name in names.replace(",", " ").split():
+                member(name)
+        elif isinstance(names, (tuple, list)) and names and isinstance(names[0], str):  # values by auto()
+            names = list(names)
+            for name in names:
+                member(name)
+        else:  # as enum reads them: names that index a mapping, or (name, value) pairs
+            items = []
+            for item in names:
+                items.append((item, names[item]) if isinstance(item, str) else tuple(item))
+                if len(items[-1]) != 2:
+                    refuse(f"the item {item!r}")
+                member(*items[-1], given=True)
+            names = items
+        if module is not None:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__") == "enum":
+                frame = frame.f_back
+            if type(module) is not str or frame is None or module != frame.f_globals.get("__name__"):
+                refuse(f"module={module!r}, another's than the caller's")
+        return real(cls, class_name, names, module=module, **kwargs)
+
+    _create_._checked = True
+    _create_.__qualname__ = "EnumType._create_"
+    enum.EnumType._create_ = _create_
 
 
 def _guarded_import():
@@ -412,7 +509,10 @@ _INPLACE = {ast.Add: "iadd", ast.Sub: "isub", ast.Mult: "imul", ast.MatMult: "im
 def _guarded_code(path: Path):
     """The file's code with its attribute writes through the guard (_GuardStores)."""
     tree = _GuardStores().visit(ast.parse(path.read_text(), filename=str(path)))
-    return compile(ast.fix_missing_locations(tree), str(path), "exec")
+    # annotations stay text, on purpose and not by impl.py's own future import: evaluated, one hands the file a
+    # class as a value where the source check reads an annotation (dataclasses.fields(C)[0].type)
+    return compile(ast.fix_missing_locations(tree), str(path), "exec", flags=__future__.annotations.compiler_flag,
+                   dont_inherit=True)
 
 
 def fsdp2() -> ModuleType:

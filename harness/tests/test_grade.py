@@ -1,9 +1,11 @@
 """harness.tools.submissions.grade: a folder of submissions -> one CSV row each; a broken one costs only its row."""
 
 import csv
+import stat
 
 import pytest
 
+from harness.tools.grading import sandbox
 from harness.tools.submissions import grade, inert
 
 
@@ -49,3 +51,23 @@ def test_csv_cells_are_text_not_formulas(tmp_path, monkeypatch):
                                          ("-3", "-3"), (-3, -3), (0.5, 0.5), ("", "")])
 def test_csv_cell(value, cell):
     assert inert.csv_cell(value) == cell
+
+
+@pytest.mark.skipif(not sandbox.wanted(), reason="the sandbox user is taken only when the grader is root")
+def test_what_grade_writes_is_closed_to_the_sandbox_user(tmp_path, monkeypatch):
+    """The CSV (written row by row while later submissions run), the pictures and similarity.md (the others' code side
+    by side) are closed to other users: no submission graded later in this batch or another reads them."""
+    folder = tmp_path / "subs"
+    folder.mkdir()
+    (folder / "a.py").write_text("x = 1\n")
+    seen = []
+
+    def graded(path, timeout, pytest_args, artifacts=None):
+        seen.extend(stat.S_IMODE(p.stat().st_mode) & 0o007 for p in (out, tmp_path / "points-pictures"))
+        return {"submission": path.name, "total": 0, "failures": ""}
+
+    monkeypatch.setattr(grade, "grade", graded)
+    out = tmp_path / "points.csv"
+    grade.cli([str(folder), "--out", str(out)])
+    assert seen == [0, 0], seen
+    assert stat.S_IMODE((tmp_path / "similarity.md").stat().st_mode) & 0o007 == 0

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 
 from harness.tools.grading import handwritten
 
 # What a student may reasonably write next to a hand-written FSDP.
 HONEST = {
+    # an enum mixing in str (the classic string enum); a slotted class that is weakly referenced
+    "enum_str_mixin": "import enum\nclass Kind(str, enum.Enum):\n    A = 'a'\n    B = 'b'\nok = Kind.A == 'a'\n",
+    "slots_weakref": "import weakref\nclass S:\n    __slots__ = ('a', '__weakref__')\nr = weakref.ref(S())\n",
     # a class kept in the file's own cache or set, or named in a message; type in annotations; a local named as a function
     "class_kept_and_said": "import logging\nfrom torch import nn\nlog = logging.getLogger('x')\n_CLASSES: dict[type, type] = {}\n"
                            "seen: set[type] = set()\ndef swap(m: nn.Module) -> type:\n    cls = m.__class__\n"
@@ -504,6 +509,19 @@ OUTSIDE = {
     "logger_filters_changed": ("import logging\nlogging.getLogger('x').filters.append(print)\n", 2,
                                "uses `.filters`, an attribute of a standard helper's internals"),
     "tensor_split": ("import torch\ndef f(x, at):\n    return torch.tensor_split(x, at)\n", 3, "split() or chunk()"),
+    "rnn_tanh": ("import torch\ndef f(x, sizes, h, w):\n    return torch.rnn_tanh(x, sizes, h, w, False, 1, 0.0, False, "
+                 "False)\n", 3, "no recurrent layer of its own"),
+    "tensordot": ("import torch\ndef f(a, b, dims):\n    return torch.tensordot(a, b, dims=dims)\n", 3,
+                  "contract with matmul or einsum"),
+    "weakref_outside_slots": ("class S:\n    names = ('a', '__weakref__')\n", 2, "names `__weakref__` in a string"),
+    "slots_computed": ("U = '_' * 2\nclass S:\n    __slots__ = (U + 'class' + U,)\n", 3,
+                       "gives `__slots__` as `(U + 'class' + U,)`: write the slots out"),
+    "slots_in_type": ("U = '_' * 2\nS = type('S', (), {'__slots__': [U + 'class' + U]})\n", 2,
+                      "gives `__slots__` as `[U + 'class' + U]`"),
+    "call_taken": ("import enum\nmake = enum.Enum.__call__\n", 2, "uses `.__call__`: call the object itself"),
+    "mutator_taken": ("import typing\ngrow = typing.EXCLUDED_ATTRIBUTES.append\n", 2,
+                      "takes `typing.EXCLUDED_ATTRIBUTES.append`, which changes `typing.EXCLUDED_ATTRIBUTES`, a "
+                      "container of torch's or Python's"),
     "enum_hook": ("import enum\nclass F(enum.Flag):\n    def _generate_next_value_(name, start, count, last):\n"
                   "        return 3\n    a = enum.auto()\n", 3, "defines `_generate_next_value_` in the enum F"),
     "enum_mixin": ("import enum\nclass M:\n    pass\nclass F(M, enum.Flag):\n    a = 1\n", 4,
@@ -670,6 +688,28 @@ def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):
 
     with pytest.raises(TypeError, match="a field of a file under test is a dataclasses.Field under its own plain name"):
         impl._checked_dataclass(dataclasses.dataclass)(Child)
+    Fake.__module__ = "builtins"  # whatever module its class says it is of
+
+    class Again(Plain):
+        x: int
+
+    with pytest.raises(TypeError, match="a field of a file under test is a dataclasses.Field under its own plain name"):
+        impl._checked_dataclass(dataclasses.dataclass)(Again)
+
+    class Meta(type):  # or held by its class's class, where no namespace of its bases has it
+        x = Fake()
+
+    class Held(metaclass=Meta):
+        x: int
+
+    with pytest.raises(TypeError, match="a field of a file under test is a dataclasses.Field under its own plain name"):
+        impl._checked_dataclass(dataclasses.dataclass)(Held)
+    toggled = tmp_path / "toggled.py"  # a default whose lookup runs the file's code (past the source check)
+    toggled.write_text(head + "import dataclasses\n\n\nclass Toggle:\n    def __get__(self, obj, kind):\n"
+                       "        return 0\n\n\nclass Base:\n    x = Toggle()\n\n\n@dataclasses.dataclass\n"
+                       "class Made(Base):\n    x: int\n")
+    with pytest.raises(TypeError, match="under its own plain name \\(an identifier\\), not Toggle 'x'"):
+        impl.load(str(toggled))
     named = tmp_path / "named.py"  # a name of a str class of the file's, whose __len__ answered the guard's test
     named.write_text(head + "class Name(str):\n    def __len__(self):\n        return 0\n\n\nclass C:\n    pass\n\n\n"
                      "setattr(C, Name('_' + '_reduce_ex__'), print)\n")
@@ -681,11 +721,85 @@ def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):
                       "@dataclass(frozen=True)\nclass B(A):\n    z: str = 'z'\n")
     made = impl.load(str(honest)).B(2, [3], 'w')
     assert (made.x, made.ys, made.z) == (2, [3], 'w') and [f.name for f in dataclasses.fields(made)] == ["x", "ys", "z"]
+    # annotations stay text (whatever the loader's own imports): no class handed over as a field's type
+    assert [f.type for f in dataclasses.fields(made)] == ["int", "list", "str"]
+    defaults = tmp_path / "own_defaults.py"  # the file's own objects as defaults: an enum member, a frozen instance
+    defaults.write_text(head + "import enum\nfrom dataclasses import dataclass\n\n\nclass State(enum.Enum):\n"
+                        "    IDLE = enum.auto()\n\n\n@dataclass(frozen=True)\nclass Point:\n    x: int = 0\n\n\n"
+                        "@dataclass\nclass Group:\n    state: State = State.IDLE\n    at: Point = Point()\n")
+    group = impl.load(str(defaults)).Group()
+    assert group.state.name == "IDLE" and group.at.x == 0
     held = tmp_path / "type_annotation.py"  # type[X] keeps how it reads, not X
     held.write_text(head + "import torch\n\nc = type[torch.nn.Linear]\n")
     annotation = impl.load(str(held)).c
     assert repr(annotation) == "type[Linear]" and not any(v is torch.nn.Linear for v in (
         getattr(annotation, n, None) for n in dir(annotation)))
+
+
+def test_loader_lets_enums_functional_api_make_members_only(tmp_path):
+    """[Note: enum's functional API where a file under test runs]: reached past the source check, it makes members
+    with plain names and values only, under the caller's module; as a file would write an enum, it works as ever."""
+    from harness import impl
+
+    head = "import enum\n\n\nclass MixedPrecisionPolicy:\n    pass\n\n\ndef fully_shard(module, **kw):\n" \
+           "    return module\n\n\ndef hook(self, proto):\n    return (print, ('unpickled',))\n\n\n"
+    for name, call, refused in (
+            ("dunder", "enum.Enum('P', [('__reduce_ex__', hook), ('m', 1)])", "a member named '__reduce_ex__'"),
+            ("sunder", "enum.Enum('P', {'_missing_': hook, 'm': 1})", "a member named '_missing_'"),
+            ("spaced", "enum.Flag('P', 'a __class__')", "a member named '__class__'"),
+            ("descriptor", "enum.Enum('P', [('name', property(hook)), ('m', 1)])", "name = property (a descriptor)"),
+            ("module", "enum.Enum('P', [('m', 1)], module='builtins')", "module='builtins', another's than the caller's"),
+            ("through_call", "enum.Enum.__call__('P', [('_' * 2 + 'class' + '_' * 2, 1)])", "a member named '__class__'")):
+        bent = tmp_path / f"enum_{name}.py"
+        bent.write_text(head + f"P = {call}\n")
+        with pytest.raises(TypeError, match=re.escape(refused)):
+            impl.load(str(bent))
+    honest = tmp_path / "enum_honest.py"
+    honest.write_text(head + "A = enum.Enum('A', 'x y')\nB = enum.IntEnum('B', [('one', 1), ('two', 2)])\n"
+                      "C = enum.Enum('C', {'p': 1}, module=__name__)\nD = enum.Flag('D', ['r', 'w'])\n")
+    module = impl.load(str(honest))
+    assert [m.name for m in module.A] == ["x", "y"] and module.B.two == 2 and module.C.p.value == 1
+    assert module.D.r | module.D.w and module.C.__module__ == module.__name__
+
+
+def test_loader_refuses_slots_named_as_dunders_and_a_relabelled_class(tmp_path):
+    """A slot named `__class__` (past the source check: a computed name) is a descriptor a module's class swap would
+    fill instead of swapping; made by a class statement or by type(), the loader refuses it, and a class's
+    `__module__` is never the file's to write."""
+    from harness import impl
+
+    head = "import torch\nfrom torch import nn\n\n\ndef fully_shard(m):\n    return m\n\n\n" \
+           "class MixedPrecisionPolicy:\n    pass\n\n\nU = '_' * 2\n"
+    for name, body, refused in (
+            ("statement", "class S(nn.Module):\n    __slots__ = (U + 'class' + U,)\n", "class S: a class of a file"),
+            ("type", "S = type('S', (nn.Module,), {'__slots__': (U + 'class' + U,)})\n", "type(...): a class of a file"),
+            ("relabelled", "class S:\n    pass\n\n\nsetattr(S, U + 'module' + U, 'builtins')\n", "writes no __module__")):
+        bent = tmp_path / f"slots_{name}.py"
+        bent.write_text(head + body)
+        with pytest.raises(TypeError, match=re.escape(refused)):
+            impl.load(str(bent))
+    honest = tmp_path / "slots_honest.py"
+    honest.write_text(head + "class S:\n    __slots__ = ('a', '__weakref__')\n\n\nT = type('T', (), {'__slots__': ('b',)})\n")
+    module = impl.load(str(honest))
+    assert module.S.__slots__ == ('a', '__weakref__') and module.T.__slots__ == ('b',)
+
+
+def test_loader_refuses_a_tensor_method_shadowed_by_a_computed_name(tmp_path):
+    """A computed setattr onto a tensor never names a method of its class (`data_ptr`, which the collective log calls):
+    written out, the source check refuses it; computed, the loader does."""
+    from harness import impl
+
+    head = "import torch\n\n\ndef fully_shard(m):\n    return m\n\n\nclass MixedPrecisionPolicy:\n    pass\n\n\n" \
+           "def zero():\n    return 0\n\n\nt = torch.ones(2)\n"
+    bent = tmp_path / "shadowed.py"
+    bent.write_text(head + "setattr(t, 'data' + '_ptr', zero)\n")
+    with pytest.raises(TypeError, match="sets no attribute named as a method of the tensor's class"):
+        impl.load(str(bent))
+    honest = tmp_path / "tagged.py"
+    honest.write_text(head + "setattr(t, '_fsdp_' + 'tag', 1)\np = torch.nn.Parameter(torch.ones(1))\n"
+                      "setattr(p, 'gr' + 'ad', torch.zeros(1))\n")
+    module = impl.load(str(honest))
+    assert module.t._fsdp_tag == 1 and module.p.grad is not None
 
 
 def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):

@@ -1147,6 +1147,38 @@ SOURCE_REFUSALS.update({
     'self-matching-class-rebound': 'binds the name `bool`, a builtin the check trusts by its name',
     'store-as-a-loop-target': 'as the target of a for, a with or a comprehension',
 })
+SOURCE_CHEATS.update({
+    # round 35's: enum's functional API called as `enum.Enum.__call__` kept in a variable (the check read no class
+    # called), a container of torch's changed through its method taken as a value, and an all-gather polled by ops
+    # that read a tensor's values where no op shows it (a packed sequence's batch sizes, tensordot's dims)
+    'enum-made-through-its-call': 'import enum\n\n\ndef hook(self, proto):\n    return (print, ("unpickled",))\n\n\n'
+                                  'make = enum.Enum.__call__\n'
+                                  'Y = make("Y", [("_" * 2 + "reduce_ex" + "_" * 2, hook), ("m", 1)])\n',
+    'enum-made-through-its-call-on-self': 'import enum\n\n\nclass S(enum.StrEnum):\n    a = enum.auto()\n\n'
+                                          '    def make(self, names):\n'
+                                          '        return enum.Enum.__call__(self, names)\n',
+    'module-slot-named-as-a-dunder': 'import dataclasses\n\nfrom torch import nn\n\nU = "_" * 2\n'
+                                     'Fake = type("Fake", (nn.Module,), {"__slots__": (U + "class" + U,)})\n'
+                                     'fake = Fake()\nfake.__class__ = dataclasses.Field\n',
+    'torch-container-changed-through-a-taken-method': 'import torch.distributed as dist\n\n'
+                                                      'put = dist.Backend.default_device_backend_map.__setitem__\n'
+                                                      'put("cpu", "mpi")\n',
+    'all-gather-polled-by-a-packed-sequence': 'import torch\n\n\ndef landed(out, at, w):\n    try:\n'
+                                              '        torch.rnn_tanh(torch.zeros(1, 1), out[at], torch.zeros(1, 1, 1), '
+                                              '[w, w], False, 1, 0.0, False, False)\n    except RuntimeError:\n'
+                                              '        return True\n    return False\n',
+    'all-gather-polled-by-tensordot': 'import torch\n\n\ndef landed(out, at):\n    try:\n'
+                                      '        torch.tensordot(torch.zeros(1), torch.zeros(1), dims=out[at].view(2, 1))\n'
+                                      '    except (RuntimeError, IndexError):\n        return True\n    return False\n',
+})
+SOURCE_REFUSALS.update({
+    'enum-made-through-its-call': 'uses `.__call__`: call the object itself',
+    'torch-container-changed-through-a-taken-method': 'takes `dist.Backend.default_device_backend_map.__setitem__`',
+    'enum-made-through-its-call-on-self': 'uses `.__call__`: call the object itself',
+    'module-slot-named-as-a-dunder': 'gives `__slots__` as `(U + \'class\' + U,)`',
+    'all-gather-polled-by-a-packed-sequence': 'uses `rnn_tanh`',
+    'all-gather-polled-by-tensordot': 'uses `tensordot`',
+})
 CHEATS.update(SOURCE_CHEATS)
 
 

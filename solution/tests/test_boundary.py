@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import pickle
+import stat
 import struct
 import subprocess
 import sys
@@ -130,6 +131,23 @@ def background_job(leader_exits: bool = False) -> int:
         os.write(w, str(pid).encode())
         os._exit(0)
     return int(os.read(r, 32))
+
+
+def pid_job() -> int:
+    return os.getpid()
+
+
+def sibling_job() -> int:
+    """Leaves a process made as the rank's sibling (clone with CLONE_PARENT: a child of the rank's own parent, the
+    forkserver, as a live rank of another pool is); returns its pid."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone = {"x86_64": 56, "aarch64": 220}[os.uname().machine]
+    pid = libc.syscall(clone, 0x00008000 | 17, 0, 0, 0, 0)  # CLONE_PARENT | SIGCHLD
+    if pid == 0:  # the child: only what a raw clone of a threaded process may do
+        os.execv("/bin/sleep", ["sleep", "600"])
+    return pid
 
 
 def fork_chain_job(beat: str, seconds: float = 60.0) -> None:
@@ -436,6 +454,92 @@ def test_a_chain_of_processes_does_not_outlive_its_pool():
     finally:
         pool.close()
     assert not beats(beat), "the chain outlived its pool"
+
+
+@as_root
+def test_a_sibling_of_the_ranks_does_not_outlive_its_pool():
+    """A process a rank made as its own sibling (a child of the forkserver, as another live pool's ranks are) is
+    killed when the pool closes, while a live pool's ranks go on."""
+    with RankPool(1, role="sandboxed") as live:
+        pool = RankPool(1, role="sandboxed")
+        left = pool.run(sibling_job, timeout=60)
+        assert all(psutil.pid_exists(pid) and psutil.Process(pid).ppid() == psutil.Process(pool._procs[0].pid).ppid()
+                   for pid in left), "the sibling is not running"
+        pool.close()
+        assert not [pid for pid in left if psutil.pid_exists(pid) and sandbox.any_thread_runs(pid)]
+        assert live.run(pid_job) == [live._procs[0].pid]
+    assert not sandbox_processes(), sandbox_processes()
+
+
+SUBREAPER = r"""
+import ctypes, subprocess, sys, time
+from pathlib import Path
+from harness.tools.grading import sandbox
+
+GRADING = (
+    "import sys\n"
+    "from pathlib import Path\n"
+    "from harness.tools.grading.ranks import RankPool\n"
+    "from solution.tests import test_boundary\n"
+    "with RankPool(1, role='sandboxed') as pool:\n"
+    "    Path(sys.argv[1]).write_text(' '.join(map(str, pool.run(test_boundary.background_job, timeout=60))))\n")
+assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: orphans below come here, not to pid 1
+subprocess.run([sys.executable, "-c", GRADING, sys.argv[1]], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+               check=True)  # (no pipe a leftover would hold open)
+left = Path(sys.argv[1]).read_text().split()
+time.sleep(0.5)
+print(*[pid for pid in left if sandbox.any_thread_runs(int(pid))])
+"""
+
+
+@as_root
+def test_an_orphan_under_a_subreaper_does_not_outlive_its_pool(tmp_path):
+    """Where the grading runs below a child subreaper (a desktop session's systemd, tini -s), what a rank forked into
+    the background goes to that subreaper, not to pid 1: it is no live rank, so the sweep kills it all the same."""
+    done = subprocess.run([sys.executable, "-c", SUBREAPER, str(tmp_path / "left")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", f"left running under the subreaper: {done.stdout}"
+    assert not sandbox_processes(), sandbox_processes()
+
+
+@as_root
+def test_the_sweeps_signaller_is_out_of_the_sandbox_users_reach():
+    """The process that stops every process of the sandbox user for the sweep cannot be killed by one of them (a
+    chain that kills its user's processes each generation would otherwise kill it first)."""
+    uid, gid = sandbox.account()
+    r, w = os.pipe()
+    pid = sandbox.signaller(uid, gid, lambda: os.read(r, 1))
+    assert pid is not None, "no bystander uid could be taken here"
+    try:
+        tried = subprocess.run([sys.executable, "-I", "-S", "-c", f"import os; os.kill({pid}, 9)"], user=uid,
+                               group=gid, extra_groups=[], capture_output=True, text=True, timeout=60)
+        assert "PermissionError" in tried.stderr, (tried.returncode, tried.stderr)
+        assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert psutil.Process(pid).uids().effective == uid
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+
+
+@as_root
+def test_a_killed_gradings_folder_is_removed_and_a_staged_file_is_the_sandbox_groups():
+    """The private folder of a grading that was killed (its files under test in it) is gone before a pool makes its
+    own; a file under test is staged readable by the sandbox user's group only, no other user of the machine."""
+    import train
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = Path(tempfile.gettempdir()) / f"{sandbox.ROOT_PREFIX}{dead.pid}-left"
+    (left / "impl" / "x").mkdir(parents=True)
+    (left / "impl" / "x" / "fsdp.py").write_text("# a killed grading's file under test\n")
+    with RankPool(1, role="sandboxed") as pool:
+        assert not left.exists()
+        staged, _ = pool._stage((train.Config(fsdp="effdl", impl=str(SOLUTION)),))
+        (inside, _), = staged
+        for path, mode in ((inside, 0o640), (inside.parent, 0o750)):
+            info = path.stat()
+            assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (mode, 0, sandbox.account()[1]), path
 
 
 @as_root

@@ -157,6 +157,11 @@ ADVICE = {
     # Reads its index tensor's values in C++ (const_data_ptr), where no op shows the read: a poll of a collective's
     # output the log cannot see before its wait.
     "tensor_split": "split a tensor with split() or chunk(), whose sizes are numbers",
+    # The same, for the recurrent layers' packed sequences (their batch sizes) and tensordot (a tensor of dims, read
+    # by .tolist() in torch's own Python): an FSDP runs no layer of its own, and contracts with matmul or einsum.
+    **dict.fromkeys(("rnn_tanh", "rnn_relu", "lstm", "gru"), "an FSDP runs the model's modules, no recurrent layer "
+                    "of its own"),
+    "tensordot": "contract with matmul or einsum, whose dimensions are numbers",
     # Compile or trace the file's own functions (torch.compile under other names), where the check and the log do
     # not follow them.
     **dict.fromkeys(("cond", "while_loop", "vmap"), "write plain Python control flow and loops"),
@@ -343,6 +348,11 @@ READING_BUILTINS = {"len", "sorted", "list", "dict", "set", "tuple", "frozenset"
 TRUSTED_BUILTINS = frozenset(_SAFE_BUILTIN_BASES | READING_BUILTINS | SELF_MATCHING | {
     "isinstance", "issubclass", "id", "hash", "repr", "str", "print", "staticmethod", "classmethod", "property",
     "super", "object", "callable", "hasattr", "getattr", "ValueError", "type"})
+SLOTS_DUNDERS = {"__weakref__", "__dict__"}
+"""What a slotted class names in its `__slots__` to be weakly referenced or take attributes beyond its slots."""
+ENUM_MIXINS = {"str", "int", "float"}
+"""Python's own types an enum may mix in (`class Kind(str, enum.Enum)`): builtins the check trusts by their name,
+which bring no attribute enum reads (`_value_`, `_missing_`)."""
 CONTAINER_MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
                       "add", "discard", "sort", "reverse", "difference_update", "intersection_update",
                       "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__", "__ior__"}
@@ -747,6 +757,9 @@ class _Check:
                            "they run inside the model's backward, where the overlap check counts only the model's "
                            "compute")
         if _dunder(name):
+            if name == "__call__" and isinstance(node, ast.Attribute):  # `enum.Enum.__call__` is enum.Enum, unchecked
+                return Outside(f"{where} uses `.__call__`: call the object itself (obj(...)), so the check reads what "
+                               "is called")
             if name in ALLOWED_DUNDERS:
                 return None
             if name in ("__setattr__", "__delattr__"):
@@ -949,6 +962,9 @@ class _Check:
         value = self.resolve(target)
         if value is None and isinstance(target, ast.Name) and target.id in _SAFE_BUILTIN_BASES:
             return None
+        if value is None and isinstance(target, ast.Name) and target.id in ENUM_MIXINS and any(
+                isinstance(b, type) and issubclass(b, enum.Enum) for b in map(self.resolve, node.bases)):
+            return None  # an enum's mixin (enum_problem reads the rest)
         if any(value is b for b in ALLOWED_BASES) or isinstance(value, type) and issubclass(value, SUBCLASSED_BASES):
             return None
         return Outside(f"{self.where(node)} derives {node.name} from `{ast.unparse(base)}`: a hand-written FSDP's classes "
@@ -983,6 +999,23 @@ class _Check:
                 return False
             child = parent
         return False
+
+    def slots_problem(self, value: ast.expr) -> str | None:
+        """`__slots__` written out: a string, or a tuple or list of them (the loader refuses a slot named as a dunder
+        but __weakref__ and __dict__: it would stand in for what Python does under that name)."""
+        items = value.elts if isinstance(value, (ast.Tuple, ast.List)) else [value]
+        if all(isinstance(i, ast.Constant) and isinstance(i.value, str) for i in items):
+            return None
+        return Outside(f"{self.where(value)} gives `__slots__` as `{ast.unparse(value)}`: write the slots out as a tuple "
+                       "of names, so the check can read them")
+
+    def in_slots(self, node: ast.AST) -> bool:
+        """`node` is the value, or an item of the literal value, of a class body's `__slots__ = ...`."""
+        parent = self.parents.get(id(node))
+        if isinstance(parent, (ast.Tuple, ast.List, ast.Set)):
+            parent = self.parents.get(id(parent))
+        return isinstance(parent, ast.Assign) and isinstance(self.parents.get(id(parent)), ast.ClassDef) and \
+            [ast.unparse(t) for t in parent.targets] == ["__slots__"]
 
     def container_problem(self, node: ast.Call) -> str | None:
         """A list, dict or set of torch's or Python's (reached by name) changed in place by its own methods."""
@@ -1022,6 +1055,12 @@ class _Check:
                 isinstance(node, ast.Attribute) and node.attr == "__module__" and not isinstance(node.ctx, ast.Load):
             return Outside(f"{where} sets `__module__`: a class or function of the file belongs to the file "
                            "(enum and others act on the module it names)")
+        if isinstance(node, ast.Name) and node.id == "__slots__" and not isinstance(node.ctx, ast.Load):
+            parent = self.parents.get(id(node))
+            if not (isinstance(parent, ast.Assign) and parent.targets == [node]):
+                return Outside(f"{where} binds `__slots__` otherwise than as `__slots__ = (names)`: write it so")
+            if problem := self.slots_problem(parent.value):
+                return problem
         # Every way a name is bound (an `except ... as` target is deleted again when its block ends, and with it
         # the loader's guard of that name): never one the check trusts to be Python's own.
         for bound in _bound(node):
@@ -1074,6 +1113,10 @@ class _Check:
         # name (a variable, a default argument, an argument) the check cannot see what is written into them
         if isinstance(value, (list, dict, set, bytearray)):
             parent = self.parents.get(id(node))
+            if isinstance(parent, ast.Attribute) and parent.attr in CONTAINER_MUTATORS and not (
+                    isinstance(call := self.parents.get(id(parent)), ast.Call) and call.func is parent):
+                return Outside(f"{where} takes `{ast.unparse(parent)}`, which changes `{ast.unparse(node)}`, a "
+                               "container of torch's or Python's: an FSDP changes its own containers only")
             read = isinstance(parent, ast.Attribute) and parent.value is node or \
                 isinstance(parent, ast.Subscript) and parent.value is node or isinstance(parent, ast.Compare) or \
                 isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node or \
@@ -1096,7 +1139,8 @@ class _Check:
         # (type()'s namespace, dict(__getattr__=...), enum's functional API, setattr): only the allowed ones.
         dunder = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else \
             node.arg if isinstance(node, ast.keyword) else None
-        if dunder and _dunder(dunder) and dunder not in ALLOWED_METHODS:
+        if dunder and _dunder(dunder) and dunder not in ALLOWED_METHODS and not (
+                dunder in SLOTS_DUNDERS and self.in_slots(node)):
             return Outside(f"{where} names `{dunder}` in a string or keyword: "
                            + (_PICKLE_ADVICE if dunder in PICKLING_HOOKS else
                               "a hook Python calls on its own, which a hand-written FSDP does not need; write a "
@@ -1196,8 +1240,8 @@ class _Check:
         flag = any(isinstance(b, type) and issubclass(b, enum.Flag) for b in map(self.resolve, node.bases))
         for base in node.bases:  # a mixin's attributes (a `_value_` property) change which members enum makes
             value = self.resolve(base)
-            if not (isinstance(value, type) and issubclass(value, enum.Enum) or isinstance(base, ast.Name) and
-                    base.id in self.own_enums):
+            if not (isinstance(value, type) and issubclass(value, enum.Enum) or isinstance(base, ast.Name) and (
+                    base.id in self.own_enums or base.id in ENUM_MIXINS)):
                 return Outside(f"{self.where(node)} derives the enum {node.name} from `{ast.unparse(base)}`: an enum of "
                                "the file derives from enum's classes only (a mixin's attributes change which members "
                                "enum makes)")
@@ -1355,7 +1399,9 @@ class _Check:
                     isinstance(k, ast.Constant) and isinstance(k.value, str) for k in namespace.keys)):
                 return Outside(f"{where} makes a class with type() from a namespace it does not show: write the "
                                "class out (class Name(Base): ...), or pass a dict literal with written-out names")
-            for key in namespace.keys:
+            for key, value in zip(namespace.keys, namespace.values):
+                if key.value == "__slots__" and (problem := self.slots_problem(value)):
+                    return problem
                 if key.value == "__module__":
                     return Outside(f"{where} makes a class with `__module__`: a class of the file belongs to the file "
                                    "(one that names torch's module passes for torch's); leave it out")

@@ -145,6 +145,7 @@ def _worker(role: str, rank: int, world_size: int, port: int, device: str, threa
         if data:  # what the process runs before any file under test is imported (tamper.py)
             from harness.tools.grading import jobs, tamper  # noqa: F401  (the jobs' code is in the baseline)
 
+            impl.guard_enum_api()  # the loader's, in place before the baseline is read
             baseline = tamper.Baseline()
             extend, changes, void = baseline.extend, baseline.changes, tamper.void
         send(0, "ready")
@@ -203,7 +204,7 @@ class RankPool:
 
             assets.ensure(impl.ROOT)  # the data and tokenizer, which a sandboxed rank cannot write
             self.private = sandbox.Private.make()
-        self._conns, self._procs = [], []
+        self._conns, self._procs, self._registered = [], [], None
         try:
             pipes = [ctx.Pipe(duplex=True) for _ in range(world_size)]
             self._conns = [ours for ours, _ in pipes]
@@ -217,6 +218,8 @@ class RankPool:
             finally:
                 for _, theirs in pipes:
                     theirs.close()
+            if self.private is not None:  # live ranks, which every sweep leaves running while the pool is open
+                self._registered = sandbox.register([p.pid for p in self._procs])
             self._collect("start-up", None, start_timeout)
         except BaseException:  # a rank that could not start, or an interrupt: nothing of the pool outlives it
             self.close()  # (its private folder and network holder included)
@@ -280,6 +283,10 @@ class RankPool:
             inside = self.private.impl / hashlib.sha256(str(path).encode()).hexdigest()[:12] / path.name
             inside.parent.mkdir(mode=0o755, exist_ok=True)
             shutil.copyfile(path, inside)
+            if self.private.uid is not None:  # the sandbox user's group reads it, no other user of the machine
+                for made, mode in ((inside.parent, 0o750), (inside, 0o640)):
+                    os.chown(made, 0, self.private.gid)
+                    os.chmod(made, mode)
             staged.append((inside, path))
             return str(inside)
 
@@ -397,6 +404,7 @@ class RankPool:
         if self.role == "sandboxed":
             from harness.tools.grading import sandbox
 
+            sandbox.unregister([p.pid for p in self._procs], self._registered)
             # the ranks still running, and whatever they started that outlived them
             sandbox.sweep([p.pid for p in self._procs if p.is_alive()])
             sandbox.sweep_files()  # and what they left in the folders every user may write

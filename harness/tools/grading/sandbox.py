@@ -119,6 +119,8 @@ class Private:
 
             reachable()
             hide(*hidden(ROOT))
+        if uid is not None:
+            remove_dead_roots()
         root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_roots`
         try:
             for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
@@ -161,6 +163,23 @@ def remove_roots(pid: int) -> list[str]:
     for path in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}{pid}-*"):
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
+    return removed
+
+
+def remove_dead_roots() -> list[str]:
+    """The private folders of every grading that no longer runs (killed: a time limit, a signal, out of memory):
+    they hold its files under test (a copy of the reference, when instructors graded it), which a later grading's
+    ranks, run as the same user, would read otherwise. Removed before a pool makes its own."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*-*"):
+        pid = path.name[len(ROOT_PREFIX):].partition("-")[0]
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if pid.isdigit() and stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
     return removed
 
 
@@ -434,6 +453,40 @@ def any_thread_runs(pid: int) -> bool:
     return False
 
 
+# [Note: the signaller of the sweep]
+# Only a process of the sandbox user may signal all of that user's processes in one system call (kill(-1) as
+# root would stop the grader too), and kill(-1) is what no chain of forks outruns. A process of that user may
+# in turn be signalled by every other: a chain that kills every process of its user each generation would kill
+# the signaller before it stopped anything (a red-team file's did, and outlived its grading). So the signaller
+# is a child forked by root that takes the sandbox user as its effective uid only, with a real and saved uid
+# that no process holds (a bystander's): kill(-1) reaches every process whose uid is the sandbox user's, and no
+# process of the sandbox user may signal or trace it back (its real and saved uids are not theirs). It forks
+# without exec (exec would make the saved uid the effective one) and makes only system calls before it exits.
+# Where no such uid can be taken (a user namespace that maps few), a process of the sandbox user signals, as
+# before, and a sweep that could not stop them all reads the processes one by one.
+
+
+@functools.lru_cache(maxsize=None)
+def _bystander_uid(uid: int) -> int | None:
+    """A uid no account names and no process holds (the signaller's real and saved uid), or None."""
+    import pwd
+
+    import psutil
+
+    held = set()
+    for p in psutil.process_iter(["uids"]):
+        if p.info["uids"]:
+            held.update(p.info["uids"])
+    for candidate in range(65533, 60000, -1):
+        if candidate == uid or candidate in held:
+            continue
+        try:
+            pwd.getpwuid(candidate)
+        except KeyError:
+            return candidate
+    return None
+
+
 _SIGNAL_EVERY = """
 import os, sys
 try:
@@ -443,10 +496,38 @@ except ProcessLookupError:
 """
 
 
+def signaller(uid: int, gid: int, act) -> int | None:
+    """Fork a child that runs `act()` (system calls only) as the sandbox user's signaller ([Note: the signaller of
+    the sweep]) and exits; its pid, or None where no bystander uid can be taken."""
+    bystander = _bystander_uid(uid)
+    if bystander is None:
+        return None
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(bystander, uid, bystander)
+            act()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
 def _signal_every(uid: int, gid: int, sig: int) -> bool:
-    """Send `sig` to every process of the sandbox user at once, from a process of that user (kill(-1) is one
-    system call, which no fork outruns: a child forked meanwhile gets the signal too). Whether it was sent."""
-    try:
+    """Send `sig` to every process of the sandbox user at once ([Note: the signaller of the sweep]). Whether it
+    was sent."""
+    def every():
+        try:
+            os.kill(-1, sig)  # every process the signaller may signal, but itself
+        except ProcessLookupError:
+            pass
+
+    if (pid := signaller(uid, gid, every)) is not None and os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0:
+        return True
+    try:  # a process of the sandbox user, which the others could kill first
         done = subprocess.run([sys.executable, "-I", "-S", "-c", _SIGNAL_EVERY, str(int(sig))], user=uid, group=gid,
                               extra_groups=[], env={"PATH": os.defpath}, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
@@ -455,11 +536,101 @@ def _signal_every(uid: int, gid: int, sig: int) -> bool:
     return done.returncode == 0
 
 
+# [Note: which processes of the sandbox user are live ranks]
+# A sweep kills every process of the sandbox user but the live ranks of the pools still open, this grading's and
+# any other's on the machine (a grading nested in another, as the bundle's tests run one; two at once). It cannot
+# tell them by their parent: a rank can make a process whose parent is its own (clone with CLONE_PARENT: a sibling,
+# as another pool's rank is), and an orphan goes to the nearest subreaper above it, not always to pid 1. So a pool
+# writes its ranks where every grading's sweep reads them, in a folder only root writes (/run, never /tmp, where
+# the sandbox user could make it first): one file per pool, named for its grading's pid, each rank by its pid and
+# start time (a pid the kernel gives again is another process). A sweep spares a process only when a live
+# grading's file names it. Where no such folder can be made (not root, a read-only /run), the sweep falls back to
+# this process's own pools (LIVE_RANKS): what descends from this process and is no live rank of it, what lost its
+# parent, goes.
+REGISTRY = Path("/run/fsdp-sandbox")
+LIVE_RANKS: set[int] = set()
+"""the pids of the live ranks of this process's sandboxed pools"""
+
+
+def _started(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _registry() -> Path | None:
+    """The folder of live ranks, root's own (made when missing), or None where it cannot be."""
+    try:
+        REGISTRY.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(REGISTRY)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
+        return None
+    return REGISTRY
+
+
+def register(pids: list[int]) -> Path | None:
+    """Write a new pool's ranks in the registry ([Note: which processes of the sandbox user are live ranks]); the
+    file, which `unregister` removes when the pool closes."""
+    LIVE_RANKS.update(pids)
+    if not wanted() or (folder := _registry()) is None:
+        return None
+    path = folder / f"{os.getpid()}-{secrets.token_hex(8)}"
+    path.write_text("".join(f"{pid} {_started(pid)!r}\n" for pid in pids))
+    return path
+
+
+def unregister(pids: list[int], path: Path | None) -> None:
+    LIVE_RANKS.difference_update(pids)
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def _live_ranks() -> set[int] | None:
+    """The pids of every live grading's live ranks, or None where there is no registry."""
+    if (folder := _registry()) is None:
+        return None
+    live = set(LIVE_RANKS)
+    for path in folder.iterdir():
+        grader = path.name.partition("-")[0]
+        if not grader.isdigit() or not _alive(int(grader)):
+            path.unlink(missing_ok=True)  # a grading that was killed: its ranks are leftovers now
+            continue
+        for line in path.read_text().splitlines():
+            pid, _, started = line.partition(" ")
+            if pid.isdigit() and repr(_started(int(pid))) == started:
+                live.add(int(pid))
+    return live
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _ours(pid: int) -> bool:
+    """Whether `pid` is this process or descends from it (a forkserver, a rank)."""
+    import psutil
+
+    try:
+        return pid == os.getpid() or any(p.pid == os.getpid() for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
 def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
-    """As root: kill the given ranks and every process of the sandbox user that descends from them
-    or lost its parent (re-parented to pid 1: forked into the background by a rank), until none is
-    left; the ranks of other live pools (children of a forkserver, itself root's) stay. Returns
-    the pids killed. Not root: kills the ranks only.
+    """As root: kill the given ranks and every process of the sandbox user that is no live rank of an open
+    pool ([Note: which processes of the sandbox user are live ranks]), and all that descends from them, until
+    none is left; the live ranks of the pools still open (this grading's and others') go on. Returns the pids
+    killed. Not root: kills the ranks only.
 
     Every process of the sandbox user is stopped while the processes are read and the doomed killed
     (`_signal_every`), then the rest continue: read one by one, a chain of processes that each fork the next
@@ -486,7 +657,10 @@ def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
         frozen = _signal_every(uid, gid, signal.SIGSTOP)
         try:
             procs = _sandboxed(uid)
-            roots = {pid for pid, parent in procs.items() if parent <= 1 or parent in doomed}
+            live = _live_ranks()
+            roots = {pid for pid, parent in procs.items() if parent <= 1 or parent in doomed or (
+                parent not in procs and pid not in (LIVE_RANKS if live is None else live)
+                and (live is not None or _ours(parent)))}
             tree, grew = set(roots), True
             while grew:
                 grew = False

@@ -140,8 +140,16 @@ def main(args: Args) -> None:
     writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")  # "rows": the table, not a column
     writer.writeheader()
     pictures = args.pictures or (args.out.parent / f"{args.out.stem}-pictures" if args.out else None)
-    if args.submissions.is_dir() and sandbox.wanted():
-        sandbox.hide(args.submissions)  # no submission reads another's (each is graded from a copy of its own)
+    page = args.similarity_page or (args.out and args.out.with_name("similarity.md"))
+    if sandbox.wanted():
+        if args.submissions.is_dir():
+            sandbox.hide(args.submissions)  # no submission reads another's (each is graded from a copy of its own)
+        # nor what the grading writes of the others (their points, messages, code side by side), now or later
+        if pictures:
+            pictures.mkdir(parents=True, exist_ok=True)
+        if page:
+            page.touch()
+        sandbox.hide(*(p for p in (args.out, pictures, page) if p))
     similar = similarity.check(files)  # seconds, no test run: each row gets its columns as it is written
     for path in files:
         print(f"grading {path}", file=sys.stderr, flush=True)
@@ -150,7 +158,7 @@ def main(args: Args) -> None:
         out.flush()
     if out is not sys.stdout:
         out.close()
-    if page := args.similarity_page or (args.out and args.out.with_name("similarity.md")):
+    if page:
         page.write_text(similarity.page(similar, files))
         print(f"wrote {page}", file=sys.stderr)
 
