@@ -12,6 +12,7 @@ import importlib.util
 import operator
 import re
 import sys
+import weakref
 from pathlib import Path
 from types import ModuleType
 
@@ -51,8 +52,6 @@ def run_name(fsdp: str, impl: str) -> str:
 
 
 _REFUSED: str | None = None
-_LOADED: set[str] = set()
-"""the paths of the files under test this process loaded (what their code objects name)"""
 
 
 def refuse_files(reason: str) -> None:
@@ -81,7 +80,6 @@ def load(impl: str) -> ModuleType:
                                **{_STORE: store, _DELETE: delete, _CLASS: _class_of(guarded_type),
                                   "__effdl_operator__": operator})
         sys.modules[name] = module
-        _LOADED.add(str(path))
         guard_enum_api()
         try:
             exec(_guarded_code(path), module.__dict__)
@@ -128,6 +126,9 @@ def _guarded(builtin, own: str):
         if len(name) > 4 and name[:2] == name[-2:] == "__" and name not in _WRITABLE_DUNDERS:
             raise refused(obj, name, f"a file under test writes no {name} (a hook or a way to code); write plain "
                           "attributes")
+        if len(name) > 2 and name[0] == name[-1] == "_" and name[1] != "_" and name[-2] != "_":
+            raise refused(obj, name, f"a file under test writes no {name} (enum's bookkeeping and hooks are named so: "
+                          "`_member_names_`, `_missing_`); name your attribute otherwise")
         if isinstance(obj, torch.Tensor) and callable(inspect.getattr_static(type(obj), name, None)):
             raise refused(obj, name, "a file under test sets no attribute named as a method of the tensor's class (the "
                           "collective log and torch call it on that tensor): name your attribute otherwise")
@@ -213,8 +214,6 @@ def _guarded_type(own: str):
             if "__module__" in namespace and (type(namespace["__module__"]) is not str or namespace["__module__"] != own):
                 raise refused("a class made by a file under test belongs to the file: leave `__module__` out of its "
                               "namespace (a class that names torch's module passes for torch's)")
-            if problem := _slots_problem(namespace.get("__slots__", ())):
-                raise refused(problem)
             made = type(name, bases, {**namespace, "__module__": own})  # the file's, as its own type() would say
             _check_made(made, name)
             return made
@@ -246,6 +245,7 @@ def _class_of(guarded_type):
 # file makes a class that passes for a Field (_guarded_build_class).
 def _checked_dataclass(real):
     import dataclasses
+    import inspect
     import keyword
     import types
 
@@ -253,14 +253,10 @@ def _checked_dataclass(real):
         return type(name) is str and name.isidentifier() and not keyword.iskeyword(name)
 
     def answers(held) -> bool:
-        """An object whose lookups run code of a file under test (a __get__ that toggles what the check and
-        dataclass read); the lookups of Python's and torch's objects (an enum member's, a function's) do not."""
-        for hook in ("__get__", "__set__", "__delete__", "__getattr__", "__getattribute__"):
-            found = getattr(type(held), hook, None)
-            found = getattr(found, "__func__", found)
-            if isinstance(found, types.FunctionType) and found.__code__.co_filename in _LOADED:
-                return True
-        return False
+        """An object whose lookups run code of a file under test: a class the file made (_MADE) defines a lookup hook
+        of any kind (a __get__ that toggles what the check and dataclass read, a functools.partial as one); the
+        lookups of Python's and torch's objects, and of the file's plain objects (an enum member), run none."""
+        return any(kind in _MADE and any(hook in vars(kind) for hook in _LOOKUP_HOOKS) for kind in type(held).__mro__)
 
     def checked(cls):
         def refuse(held, key):
@@ -276,11 +272,24 @@ def _checked_dataclass(real):
                 if type(field) is not dataclasses.Field or not plain(key) or base is not cls and field.name != key:
                     refuse(field, key)
             for key, held in namespace.items():  # what dataclass may take as a default by getattr, read in place
-                if isinstance(held, dataclasses.Field) and type(held) is not dataclasses.Field or answers(held):
+                if isinstance(held, dataclasses.Field) and type(held) is not dataclasses.Field:
                     refuse(held, key)
-        for name in cls.__dict__.get("__annotations__", {}):  # and as dataclass reads it
-            if isinstance(held := getattr(cls, name, None), dataclasses.Field) and type(held) is not dataclasses.Field:
+                if answers(held):
+                    raise TypeError(f"dataclass({cls.__qualname__}): a default of a file under test is read as it is, "
+                                    f"but {key!r} holds a {type(held).__qualname__}, whose lookups run the file's code: "
+                                    "give plain values as defaults")
+        for name in cls.__dict__.get("__annotations__", {}):  # as dataclass reads it: once, here, and pinned
+            held = inspect.getattr_static(cls, name, dataclasses.MISSING)  # (its metaclass's too; no code runs)
+            if held is dataclasses.MISSING:
+                continue
+            if isinstance(held, dataclasses.Field) and type(held) is not dataclasses.Field:
                 refuse(held, name)
+            if hasattr(type(held), "__get__") and not isinstance(held, (types.FunctionType, types.BuiltinFunctionType)):
+                raise TypeError(f"dataclass({cls.__qualname__}): a default of a file under test is read as it is, but "
+                                f"{name!r} holds a {type(held).__qualname__}, which runs code when it is read: give "
+                                "plain values as defaults")
+            if vars(cls).get(name, dataclasses.MISSING) is not held:  # what dataclass reads is what was checked
+                type.__setattr__(cls, name, held)
         for name in cls.__dict__.get("__annotations__", {}):
             if not plain(name):
                 raise TypeError(f"dataclass({cls.__qualname__}): a field's name is an identifier, not {name!r}")
@@ -302,16 +311,28 @@ def _guarded_build_class(func, name, *bases, **kwargs):
     file is without members (however enum read its body: its functional API, which makes classes past this guard,
     extends only such an enum)."""
     made = builtins.__build_class__(func, name, *bases, **kwargs)
-    if isinstance(made, type) and (problem := _slots_problem(vars(made).get("__slots__", ()))):
-        raise TypeError(f"class {name}: {problem}")
     _check_made(made, name)
     return made
+
+
+_MADE: weakref.WeakSet = weakref.WeakSet()
+"""every class a file under test made with a class statement or type()"""
+_LOOKUP_HOOKS = ("__get__", "__set__", "__delete__", "__getattr__", "__getattribute__")
 
 
 def _check_made(made, name: str) -> None:
     """What every class the file makes (a class statement, its type()) is not: see _guarded_build_class."""
     import dataclasses
     import enum
+    import types
+
+    if isinstance(made, type):
+        _MADE.add(made)
+        for key, value in vars(made).items():  # what its __slots__ made, read off the class itself
+            if isinstance(value, types.MemberDescriptorType) and key[:2] == key[-2:] == "__":
+                raise TypeError(f"class {name}: a class of a file under test has slots of plain names, not {key!r} (a "
+                                "slot named as a dunder stands in for what Python does under that name): name your "
+                                "slots otherwise")
 
     if isinstance(made, type) and (issubclass(made, dataclasses.Field) or "__class__" in vars(made)):
         raise TypeError(f"class {name}: a class of a file under test neither derives from dataclasses.Field nor defines "
@@ -321,24 +342,18 @@ def _check_made(made, name: str) -> None:
                         "extends with members of any name, dunders included): write its members out")
 
 
-def _slots_problem(slots) -> str | None:
-    """A class's `__slots__` name plain attributes (and __weakref__, __dict__): a slot named as a dunder
-    (`__class__`) is a descriptor under that name, which a write to it fills instead of what Python does."""
-    for slot in (slots,) if isinstance(slots, str) else slots:
-        if type(slot) is not str or not slot.isidentifier() or (
-                slot[:2] == slot[-2:] == "__" and slot not in ("__weakref__", "__dict__")):
-            return (f"a class of a file under test has slots of plain names, not {slot!r} (a slot named as a dunder "
-                    "stands in for what Python does under that name): name your slots otherwise")
-    return None
-
-
 # [Note: enum's functional API where a file under test runs]
 # `E("Name", names)` makes a class past the loader's guard of class statements, setting on it whatever the names
 # say: a dunder (a pickling hook, a `__class__` that passes for a dataclasses.Field), a sunder hook of enum's, a
 # descriptor (no member, so the enum stays open to more), a `module` that is another's. The source check refuses
 # such a call where it can read it; behind it, in a process that loads a file under test, the functional API makes
-# members only: each name an identifier that starts with no underscore, each value no descriptor, `module` (if
-# given) the caller's own. No one else in such a process needs more: torch writes its enums as classes.
+# members only: at least one, each name an identifier that starts with no underscore, each value no descriptor
+# and no enum.member or enum.nonmember wrapper, a mixin of ENUM_MIXINS' only, under the caller's module (given or
+# not: enum's own lookup of the caller would find this check's frame). No one else in such a process needs more:
+# torch writes its enums as classes.
+_ENUM_MIXINS = (None, str, int, float)
+
+
 def guard_enum_api() -> None:
     """Put the check of [Note: enum's functional API where a file under test runs] before enum's (once)."""
     import enum
@@ -349,22 +364,26 @@ def guard_enum_api() -> None:
 
     def refuse(what: str):
         raise TypeError(f"enum's functional API makes members only (names that are identifiers starting with no "
-                        f"underscore, values that are no descriptors), not {what}: write the enum out as a class")
+                        f"underscore, plain values), not {what}: write the enum out as a class")
 
     def member(name, value=None, given=False):
         if type(name) is not str or not name.isidentifier() or name.startswith("_"):
             refuse(f"a member named {name!r}")
-        if given and any(hasattr(type(value), hook) for hook in ("__get__", "__set__", "__delete__")):
-            refuse(f"{name} = {type(value).__qualname__} (a descriptor)")
+        if given and (any(hasattr(value, hook) for hook in ("__get__", "__set__", "__delete__"))
+                      or isinstance(value, (enum.member, enum.nonmember))):
+            refuse(f"{name} = {type(value).__qualname__} (a descriptor or a wrapper enum unwraps)")
+        return name
 
-    def _create_(cls, class_name, names, *, module=None, **kwargs):
-        if type(names) is str:
-            for name in names.replace(",", " ").split():
-                member(name)
+    def _create_(cls, class_name, names, *, module=None, qualname=None, type=None, **kwargs):
+        if getattr(enum, cls.__name__, None) is not cls:  # an enum of anyone's emptied of its members (its bookkeeping)
+            refuse(f"an extension of {cls.__qualname__} (only enum's own classes make enums from names)")
+        if names is None:
+            refuse("no names")
+        if isinstance(names, str):
+            given = [member(name) for name in names.replace(",", " ").split()]
         elif isinstance(names, (tuple, list)) and names and isinstance(names[0], str):  # values by auto()
             names = list(names)
-            for name in names:
-                member(name)
+            given = [member(name) for name in names]
         else:  # as enum reads them: names that index a mapping, or (name, value) pairs
             items = []
             for item in names:
@@ -372,14 +391,28 @@ def guard_enum_api() -> None:
                 if len(items[-1]) != 2:
                     refuse(f"the item {item!r}")
                 member(*items[-1], given=True)
-            names = items
-        if module is not None:
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_globals.get("__name__") == "enum":
-                frame = frame.f_back
-            if type(module) is not str or frame is None or module != frame.f_globals.get("__name__"):
-                refuse(f"module={module!r}, another's than the caller's")
-        return real(cls, class_name, names, module=module, **kwargs)
+            names, given = items, [name for name, _ in items]
+        if not given:
+            refuse("no members at all (an enum without any is open to more)")
+        if not any(type is mixin for mixin in _ENUM_MIXINS):
+            refuse(f"type={type!r} (a mixin of str, int or float only)")
+        if qualname is not None and builtins.type(qualname) is not str:
+            refuse(f"qualname={qualname!r}")
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__") == "enum":
+            frame = frame.f_back
+        caller = frame.f_globals.get("__name__") if frame is not None else None
+        if module is not None and (builtins.type(module) is not str or module != caller):
+            refuse(f"module={module!r}, another's than the caller's")
+        made = real(cls, class_name, names, module=caller, qualname=qualname, type=type, **kwargs)
+        # what it made, read off the class: each name a member (a value enum made itself, by its
+        # _generate_next_value_, may be a descriptor too), nothing but enum's own besides
+        plain = real(cls, "Plain", ["member"], module=caller, type=type)
+        extra = set(vars(made)) - set(vars(plain)) - set(made._member_map_)
+        if list(made._member_map_) != given or extra:
+            refuse(f"{class_name} with {sorted(extra) or [n for n in given if n not in made._member_map_]} besides its "
+                   "members")
+        return made
 
     _create_._checked = True
     _create_.__qualname__ = "EnumType._create_"

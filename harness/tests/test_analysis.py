@@ -571,6 +571,49 @@ print(log.problems)
 """
 
 
+BLIND_READS = """
+import logging, os, time, torch, torch.distributed as dist
+from harness.tools.grading.jobs import CommLog
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
+calls = {
+    "repr": lambda x: repr(x), "format": lambda x: f"{x}", "logging": lambda x: logging.getLogger("q").warning("%s", x),
+    "tolist in torch's Python": lambda x: torch.tensordot(torch.zeros(1), torch.zeros(1), dims=x[:2].view(2, 1)),
+    "a packed sequence": lambda x: torch.rnn_tanh(torch.zeros(1, 1), x[:1], torch.zeros(1, 1, 1),
+                                                  [torch.zeros(1, 1)] * 2, False, 1, 0.0, False, False),
+    "tensor of its elements": lambda x: torch.tensor([x[0], x[1]]),
+    "views": lambda x: (x.view(2, -1), x[1:], torch.split(x, 2), x.narrow(0, 0, 1), x.detach(), x.reshape(-1)),
+    "what describes it": lambda x: (x.size(), x.shape, x.numel(), x.data_ptr(), x.is_contiguous(), x.dtype, len(x)),
+}
+for name, call in calls.items():
+    log = CommLog()
+    with log:
+        out = torch.zeros(4, dtype=torch.int64)
+        work = dist.all_gather_into_tensor(out, torch.full((4,), 3), async_op=True)
+        time.sleep(0.02)
+        try:
+            call(out)
+        except (RuntimeError, IndexError, TypeError):
+            pass
+        work.wait()
+    print(name, "->", "READ" if any("reads the output of an asynchronous" in p for p in log.problems) else "none")
+log = CommLog()
+with log:
+    torch.tensor([torch.ones(()), torch.zeros(())])
+print("made from tensors ->", log.problems)
+"""
+
+
+def test_collective_log_sees_reads_past_the_dispatcher():
+    """A pending all-gather's output read by code that runs past the dispatcher (printed with every mode off, turned
+    into numbers in torch's own Python or in C++, copied by torch.tensor) is named as a read; its views and what
+    describes it are not ([Note: reads the dispatcher does not show]). A tensor made from tensors is refused."""
+    said = dict(line.split(" -> ", 1) for line in on_one_gloo_rank(BLIND_READS).stdout.splitlines() if " -> " in line)
+    for name in ("repr", "format", "logging", "tolist in torch's Python", "a packed sequence", "tensor of its elements"):
+        assert said.get(name) == "READ", said
+    assert said["views"] == said["what describes it"] == "none", said
+    assert "torch.tensor makes a tensor from tensors" in said["made from tensors"], said
+
+
 def test_collective_log_follows_an_output_that_moved():
     """A collective's output whose storage was resized in place (its bytes moved, which no op shows) is still its
     output: reading it before the wait is named there ([Note: a collective's result read before its wait])."""

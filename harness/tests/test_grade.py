@@ -71,3 +71,14 @@ def test_what_grade_writes_is_closed_to_the_sandbox_user(tmp_path, monkeypatch):
     grade.cli([str(folder), "--out", str(out)])
     assert seen == [0, 0], seen
     assert stat.S_IMODE((tmp_path / "similarity.md").stat().st_mode) & 0o007 == 0
+
+
+@pytest.mark.skipif(not sandbox.wanted(), reason="the sandbox user is taken only when the grader is root")
+def test_pictures_in_a_shared_folder_are_refused(tmp_path, capsys):
+    """Pictures go to a folder of the grading's own, which is closed: never one every user may write (/tmp)."""
+    folder = tmp_path / "subs"
+    folder.mkdir()
+    (folder / "a.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit):
+        grade.cli([str(folder), "--out", str(tmp_path / "points.csv"), "--pictures", "/tmp"])
+    assert "--pictures /tmp is a folder every user may write" in capsys.readouterr().err

@@ -14,7 +14,14 @@ from harness.tools.grading import handwritten
 HONEST = {
     # an enum mixing in str (the classic string enum); a slotted class that is weakly referenced
     "enum_str_mixin": "import enum\nclass Kind(str, enum.Enum):\n    A = 'a'\n    B = 'b'\nok = Kind.A == 'a'\n",
-    "slots_weakref": "import weakref\nclass S:\n    __slots__ = ('a', '__weakref__')\nr = weakref.ref(S())\n",
+    "super_call": "from torch import nn\nclass M(nn.Module):\n    def __call__(self, *args):\n"
+                  "        return super().__call__(*args)\n",
+    "kw_only": "from dataclasses import KW_ONLY, InitVar, dataclass\n@dataclass\nclass A:\n    x: int\n"
+               "    _: KW_ONLY\n    y: int = 0\n    z: InitVar[int] = 1\n    def __post_init__(self, z):\n"
+               "        self.y += z\n",
+    "slots_weakref": "import weakref\nclass S:\n    __slots__ = ('a', '__weakref__')\nr = weakref.ref(S())\n"
+                     "T = type('T', (), {'__slots__': ('b', '__weakref__')})\nclass U:\n"
+                     "    __slots__: tuple[str, ...] = ('w', '__weakref__')\n",
     # a class kept in the file's own cache or set, or named in a message; type in annotations; a local named as a function
     "class_kept_and_said": "import logging\nfrom torch import nn\nlog = logging.getLogger('x')\n_CLASSES: dict[type, type] = {}\n"
                            "seen: set[type] = set()\ndef swap(m: nn.Module) -> type:\n    cls = m.__class__\n"
@@ -518,6 +525,12 @@ OUTSIDE = {
                        "gives `__slots__` as `(U + 'class' + U,)`: write the slots out"),
     "slots_in_type": ("U = '_' * 2\nS = type('S', (), {'__slots__': [U + 'class' + U]})\n", 2,
                       "gives `__slots__` as `[U + 'class' + U]`"),
+    "own_enum_functional": ("import enum\nclass E(enum.Enum):\n    A = 1\nF = E('F', [('b', 2)])\n", 4,
+                            "makes an enum from strings"),
+    "enum_nonmember": ("import enum\nx = enum.nonmember(1)\n", 2, "which decides what an enum makes a member"),
+    "own_attribute_named_as_refused": ("class S:\n    def __init__(self):\n        self.events = []\n", 3,
+                                       "names its own `events` as torch or Python name what the check refuses: name "
+                                       "it otherwise (`events_`)"),
     "call_taken": ("import enum\nmake = enum.Enum.__call__\n", 2, "uses `.__call__`: call the object itself"),
     "mutator_taken": ("import typing\ngrow = typing.EXCLUDED_ATTRIBUTES.append\n", 2,
                       "takes `typing.EXCLUDED_ATTRIBUTES.append`, which changes `typing.EXCLUDED_ATTRIBUTES`, a "
@@ -559,6 +572,15 @@ def test_refusal_names_the_line_and_the_fix(tmp_path, name):
     assert problem is not None and f"fsdp.py:{line}" in problem and advice in problem, problem
     message = handwritten.verdict(problem)
     assert "FSDP2" not in message and handwritten.OUTSIDE in message, message
+
+
+@pytest.mark.parametrize("name", ["KW_ONLY", "InitVar"])
+def test_dataclass_markers_are_imported_by_name(tmp_path, name):
+    """`dataclasses.KW_ONLY` in an annotation is a plain field under the loader (the file's dataclasses is a checked
+    copy, which dataclass does not take for itself): the check says to import the marker by name."""
+    problem = check(tmp_path, f"import dataclasses\n@dataclasses.dataclass\nclass A:\n    x: int = 0\n"
+                              f"    y: dataclasses.{name}\n")
+    assert problem is not None and "fsdp.py:5" in problem and f"from dataclasses import {name}" in problem, problem
 
 
 @pytest.mark.parametrize("source", ["from torch.distributed.fsdp import fully_shard\n",
@@ -704,12 +726,38 @@ def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):
 
     with pytest.raises(TypeError, match="a field of a file under test is a dataclasses.Field under its own plain name"):
         impl._checked_dataclass(dataclasses.dataclass)(Held)
+    reads = []
+
+    def toggle(cls):  # a default that answers the check one thing and dataclass another
+        reads.append(cls)
+        return 0 if len(reads) < 2 else Fake()
+
+    class Toggled:
+        kind: int = classmethod(property(toggle))
+
+    with pytest.raises(TypeError, match="'kind' holds a classmethod, which runs code when it is read"):
+        impl._checked_dataclass(dataclasses.dataclass)(Toggled)
+    assert not reads
+
+    class Inherits(Plain.__base__):  # a plain default inherited is pinned where dataclass reads it
+        y: int = 3
+
+    class Pinned(Inherits):
+        y: int
+
+    assert impl._checked_dataclass(dataclasses.dataclass)(Pinned)().y == 3
     toggled = tmp_path / "toggled.py"  # a default whose lookup runs the file's code (past the source check)
     toggled.write_text(head + "import dataclasses\n\n\nclass Toggle:\n    def __get__(self, obj, kind):\n"
                        "        return 0\n\n\nclass Base:\n    x = Toggle()\n\n\n@dataclasses.dataclass\n"
                        "class Made(Base):\n    x: int\n")
-    with pytest.raises(TypeError, match="under its own plain name \\(an identifier\\), not Toggle 'x'"):
+    with pytest.raises(TypeError, match="'x' holds a Toggle, whose lookups run the file's code"):
         impl.load(str(toggled))
+    partial = tmp_path / "toggled_by_partial.py"  # the hook of any kind (a partial is no function)
+    partial.write_text(head + "import dataclasses\nimport functools\n\n\ndef get(self, obj, kind):\n    return 2\n\n\n"
+                       "class Toggle:\n    __get__ = functools.partial(get)\n\n\nclass Base:\n    x = Toggle()\n\n\n"
+                       "@dataclasses.dataclass\nclass Made(Base):\n    x: int\n")
+    with pytest.raises(TypeError, match="'x' holds a Toggle, whose lookups run the file's code"):
+        impl.load(str(partial))
     named = tmp_path / "named.py"  # a name of a str class of the file's, whose __len__ answered the guard's test
     named.write_text(head + "class Name(str):\n    def __len__(self):\n        return 0\n\n\nclass C:\n    pass\n\n\n"
                      "setattr(C, Name('_' + '_reduce_ex__'), print)\n")
@@ -747,7 +795,11 @@ def test_loader_lets_enums_functional_api_make_members_only(tmp_path):
             ("dunder", "enum.Enum('P', [('__reduce_ex__', hook), ('m', 1)])", "a member named '__reduce_ex__'"),
             ("sunder", "enum.Enum('P', {'_missing_': hook, 'm': 1})", "a member named '_missing_'"),
             ("spaced", "enum.Flag('P', 'a __class__')", "a member named '__class__'"),
-            ("descriptor", "enum.Enum('P', [('name', property(hook)), ('m', 1)])", "name = property (a descriptor)"),
+            ("descriptor", "enum.Enum('P', [('name', property(hook)), ('m', 1)])", "name = property (a descriptor"),
+            ("class_value", "enum.Enum('P', [('X', property), ('Y', staticmethod)])", "X = type (a descriptor"),
+            ("nonmember", "enum.Enum('P', [('a', enum.nonmember(1))])", "a = nonmember"),
+            ("memberless", "enum.Enum('P', [])", "no members at all"),
+            ("mixin", "enum.Enum('P', 'a', type=list)", "type=<class 'list'> (a mixin of str, int or float only)"),
             ("module", "enum.Enum('P', [('m', 1)], module='builtins')", "module='builtins', another's than the caller's"),
             ("through_call", "enum.Enum.__call__('P', [('_' * 2 + 'class' + '_' * 2, 1)])", "a member named '__class__'")):
         bent = tmp_path / f"enum_{name}.py"
@@ -758,8 +810,17 @@ def test_loader_lets_enums_functional_api_make_members_only(tmp_path):
     honest.write_text(head + "A = enum.Enum('A', 'x y')\nB = enum.IntEnum('B', [('one', 1), ('two', 2)])\n"
                       "C = enum.Enum('C', {'p': 1}, module=__name__)\nD = enum.Flag('D', ['r', 'w'])\n")
     module = impl.load(str(honest))
+    import enum
+
+    class Own(enum.Enum):  # an enum of anyone's, emptied of its members past the loader: never extended
+        A = 1
+
+    type.__setattr__(Own, "_member_names_", [])
+    with pytest.raises(TypeError, match="an extension of "):
+        Own("More", [("b", 2)])
     assert [m.name for m in module.A] == ["x", "y"] and module.B.two == 2 and module.C.p.value == 1
     assert module.D.r | module.D.w and module.C.__module__ == module.__name__
+    assert module.A.__module__ == module.B.__module__ == module.__name__  # the caller's, as enum itself would say
 
 
 def test_loader_refuses_slots_named_as_dunders_and_a_relabelled_class(tmp_path):
@@ -772,8 +833,12 @@ def test_loader_refuses_slots_named_as_dunders_and_a_relabelled_class(tmp_path):
            "class MixedPrecisionPolicy:\n    pass\n\n\nU = '_' * 2\n"
     for name, body, refused in (
             ("statement", "class S(nn.Module):\n    __slots__ = (U + 'class' + U,)\n", "class S: a class of a file"),
-            ("type", "S = type('S', (nn.Module,), {'__slots__': (U + 'class' + U,)})\n", "type(...): a class of a file"),
-            ("relabelled", "class S:\n    pass\n\n\nsetattr(S, U + 'module' + U, 'builtins')\n", "writes no __module__")):
+            ("type", "S = type('S', (nn.Module,), {'__slots__': (U + 'class' + U,)})\n",
+             "class S: a class of a file under test has slots"),
+            ("hook", "class S:\n    __slots__ = (U + 'reduce_ex' + U,)\n", "not '__reduce_ex__'"),
+            ("relabelled", "class S:\n    pass\n\n\nsetattr(S, U + 'module' + U, 'builtins')\n", "writes no __module__"),
+            ("emptied", "import enum\n\n\nclass E(enum.Enum):\n    A = 1\n\n\nsetattr(E, '_member' + '_names_', [])\n",
+             "writes no _member_names_ (enum's bookkeeping")):
         bent = tmp_path / f"slots_{name}.py"
         bent.write_text(head + body)
         with pytest.raises(TypeError, match=re.escape(refused)):
@@ -785,8 +850,8 @@ def test_loader_refuses_slots_named_as_dunders_and_a_relabelled_class(tmp_path):
 
 
 def test_loader_refuses_a_tensor_method_shadowed_by_a_computed_name(tmp_path):
-    """A computed setattr onto a tensor never names a method of its class (`data_ptr`, which the collective log calls):
-    written out, the source check refuses it; computed, the loader does."""
+    """No attribute write of the file onto a tensor names a method of its class (`data_ptr`, which the collective log
+    calls): written out the source check refuses it, and the loader refuses every such write (a computed name too)."""
     from harness import impl
 
     head = "import torch\n\n\ndef fully_shard(m):\n    return m\n\n\nclass MixedPrecisionPolicy:\n    pass\n\n\n" \

@@ -435,6 +435,17 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
         "            while bool(torch.isnan(flat).any()):\n"
         "                pass\n")],
+    # The same output read where the dispatcher does not show it: printed (torch prints with every dispatch mode
+    # off), or copied into a new tensor by torch.tensor (its Python key off) ([Note: reads the dispatcher does not
+    # show] in jobs.py).
+    "read-all-gather-output-by-printing": [(
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+        "            str(flat[:2])\n")],
+    "read-all-gather-output-by-a-tensor-made-from-it": [(
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+        "            torch.tensor([flat[0], flat[1]])\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
@@ -1154,6 +1165,11 @@ SOURCE_CHEATS.update({
     'enum-made-through-its-call': 'import enum\n\n\ndef hook(self, proto):\n    return (print, ("unpickled",))\n\n\n'
                                   'make = enum.Enum.__call__\n'
                                   'Y = make("Y", [("_" * 2 + "reduce_ex" + "_" * 2, hook), ("m", 1)])\n',
+    # round 36's: the file's own enum emptied of its members (its bookkeeping set by a computed name), then extended
+    # by its functional API (with a Field as its mixin, a name that reads another way)
+    'own-enum-extended-by-its-functional-api': 'import enum\n\n\nclass Own(enum.Enum):\n'
+                                               '    ONE = 1\n\n\nsetattr(Own, "_member" + "_names_", [])\n'
+                                               'More = Own("More", [("ONE", 1), ("name", 2)])\n',
     'enum-made-through-its-call-on-self': 'import enum\n\n\nclass S(enum.StrEnum):\n    a = enum.auto()\n\n'
                                           '    def make(self, names):\n'
                                           '        return enum.Enum.__call__(self, names)\n',
@@ -1175,6 +1191,7 @@ SOURCE_REFUSALS.update({
     'enum-made-through-its-call': 'uses `.__call__`: call the object itself',
     'torch-container-changed-through-a-taken-method': 'takes `dist.Backend.default_device_backend_map.__setitem__`',
     'enum-made-through-its-call-on-self': 'uses `.__call__`: call the object itself',
+    'own-enum-extended-by-its-functional-api': 'makes an enum from strings',
     'module-slot-named-as-a-dunder': 'gives `__slots__` as `(U + \'class\' + U,)`',
     'all-gather-polled-by-a-packed-sequence': 'uses `rnn_tanh`',
     'all-gather-polled-by-tensordot': 'uses `tensordot`',

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import pickle
+import signal
 import stat
 import struct
 import subprocess
@@ -29,7 +30,6 @@ import pytest
 from harness.tools.grading import checks, handwritten, jobs, policy, sandbox
 from harness.tools.grading.ranks import RankError, RankPool, Ranks, Refused
 from solution.tests.boundary import digest_tree, sandbox_processes
-from solution.tests.mutation import write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solution" / "fsdp.py"
@@ -412,9 +412,12 @@ def test_what_a_rank_wrote_comes_back_within_bounds(tmp_path, monkeypatch):
 @as_root
 def test_what_only_instructors_read_is_closed_to_a_submission(tmp_path):
     """In the instructors' checkout (where `grade` runs as root) a rank under test cannot read the reference, the
-    second solution or the history that holds them; nor the folder of the other submissions (`grade` closes it)."""
+    second solution, the mutants (snippets of the reference) or the history that holds them; nor the folder of the
+    other submissions (`grade` closes it)."""
     hidden = [p for p in sandbox.hidden(ROOT) if p.exists()]
     assert SOLUTION in hidden and ROOT / "solution" / "tests" / "variant_fsdp.py" in hidden, hidden
+    assert ROOT / "solution" / "tests" / "mutation.py" in hidden, hidden
+    assert ROOT / ".pytest_cache" in hidden or not (ROOT / ".pytest_cache").exists(), hidden
     for path in hidden:  # as a fresh clone has them: the pool's start closes them
         os.chmod(path, path.stat().st_mode & 0o7777 | (0o005 if path.is_dir() else 0o004))
     batch = tmp_path / "batch"
@@ -504,22 +507,47 @@ def test_an_orphan_under_a_subreaper_does_not_outlive_its_pool(tmp_path):
 
 
 @as_root
-def test_the_sweeps_signaller_is_out_of_the_sandbox_users_reach():
+def test_the_sweeps_signaller_is_out_of_the_sandbox_users_reach(monkeypatch):
     """The process that stops every process of the sandbox user for the sweep cannot be killed by one of them (a
     chain that kills its user's processes each generation would otherwise kill it first)."""
     uid, gid = sandbox.account()
-    r, w = os.pipe()
-    pid = sandbox.signaller(uid, gid, lambda: os.read(r, 1))
-    assert pid is not None, "no bystander uid could be taken here"
+    proc = sandbox.signaller(uid, gid, 0, stdin=subprocess.PIPE)  # sends nothing: waits for its stdin to close
+    assert proc is not None, "no bystander uid could be taken here"
     try:
-        tried = subprocess.run([sys.executable, "-I", "-S", "-c", f"import os; os.kill({pid}, 9)"], user=uid,
+        deadline = time.monotonic() + 30
+        while psutil.Process(proc.pid).uids().effective != uid:  # until it has become the signaller
+            assert time.monotonic() < deadline and proc.poll() is None, "the signaller did not start"
+            time.sleep(0.01)
+        tried = subprocess.run([sys.executable, "-I", "-S", "-c", f"import os; os.kill({proc.pid}, 9)"], user=uid,
                                group=gid, extra_groups=[], capture_output=True, text=True, timeout=60)
         assert "PermissionError" in tried.stderr, (tried.returncode, tried.stderr)
-        assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        assert psutil.Process(pid).uids().effective == uid
+        assert proc.poll() is None, "the sandbox user killed the signaller"
     finally:
-        os.write(w, b"x")
-        os.waitpid(pid, 0)
+        proc.communicate(b"", timeout=30)
+    assert proc.returncode == 0
+    real, started = sandbox.signaller, []  # and it is what the sweep signals by
+
+    def recorded(*args, **kwargs):
+        started.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "signaller", recorded)
+    assert sandbox._signal_every(uid, gid, signal.SIGCONT) and started == [signal.SIGCONT]
+
+
+@as_root
+def test_what_a_killed_grading_left_running_is_gone_before_a_pool_starts():
+    """A process of the sandbox user that no open pool's ranks are (what a grading killed by a time limit left: none
+    of its pools closed) is killed when the next pool starts, before that pool's file under test is staged."""
+    uid, gid = sandbox.account()
+    left = subprocess.Popen(["sleep", "600"], user=uid, group=gid, extra_groups=[], start_new_session=True)
+    try:
+        with RankPool(1, role="sandboxed") as pool:
+            assert left.wait(timeout=30) is not None, "the leftover outlived the next pool's start"
+            assert pool.run(pid_job) == [pool._procs[0].pid]
+    finally:
+        left.kill()
+        left.wait()
 
 
 @as_root
@@ -603,6 +631,9 @@ def test_a_pool_that_cannot_start_leaves_nothing(monkeypatch):
 @pytest.fixture(scope="module")
 def boundary_mutant(tmp_path_factory):
     folder = tmp_path_factory.mktemp("boundary_mutants")
+    from solution.tests.mutation import write_mutant  # here, not above: ranks import this module for its jobs, and
+    # mutation.py (snippets of the reference) is closed to them
+
     return lambda name: write_mutant(folder, name)
 
 

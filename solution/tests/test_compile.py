@@ -17,7 +17,6 @@ import train
 from harness.tools.grading import checks, compare, jobs, policy
 from harness.tools.grading.ranks import RankError
 from solution import make_skeleton
-from solution.tests.mutation import COMPILED_HOOKS, write_mutant
 
 REFERENCE = str(make_skeleton.SOLUTION)
 
@@ -47,6 +46,10 @@ def test_reference_with_compile_matches_fsdp2(pool2):
 
 
 def test_file_without_compile_support_stops_with_one_line(pool2, tmp_path):
+    # imported here, not above: ranks import this module for its job, and mutation.py (snippets of the reference) is
+    # closed to them
+    from solution.tests.mutation import COMPILED_HOOKS, write_mutant
+
     mutant = write_mutant(tmp_path, "no-compile-disable")
     cfg = policy.config(mutant, compile=True, num_steps=1, num_gradient_accumulation_steps=1)
     with pytest.raises(RankError) as failure:

@@ -69,6 +69,14 @@ def test_output_read_before_its_wait_fails(mutant, pool2):
         checks.check_forward(pool2, mutant("poll-all-gather-output"), "float32", "float32")
 
 
+@pytest.mark.parametrize("name", ["read-all-gather-output-by-printing", "read-all-gather-output-by-a-tensor-made-from-it"])
+def test_output_read_where_the_dispatcher_does_not_show_it_fails(mutant, pool2, name):
+    """The same read by code that runs past the dispatcher (printing, torch.tensor of its elements): the log's
+    function mode names it ([Note: reads the dispatcher does not show] in jobs.py)."""
+    with pytest.raises(AssertionError, match=r"reads the output of an asynchronous all-gather before its work handle"):
+        checks.check_forward(pool2, mutant(name), "float32", "float32")
+
+
 def test_output_read_before_its_wait_fails_in_a_profiled_run(mutant, pool2, tmp_path):
     """The same poll in the profiled runs task 2 and 3 are judged from: the collective log is on there too, so a
     program that polled only where it found no log (under the marks, the trace shows the compute after the poll

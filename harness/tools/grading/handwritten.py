@@ -348,6 +348,8 @@ READING_BUILTINS = {"len", "sorted", "list", "dict", "set", "tuple", "frozenset"
 TRUSTED_BUILTINS = frozenset(_SAFE_BUILTIN_BASES | READING_BUILTINS | SELF_MATCHING | {
     "isinstance", "issubclass", "id", "hash", "repr", "str", "print", "staticmethod", "classmethod", "property",
     "super", "object", "callable", "hasattr", "getattr", "ValueError", "type"})
+_ENUM_API_KEYWORDS = {"names", "module", "qualname", "type", "start", "boundary"}
+"""the keywords of enum's functional API (`E("X", names, type=...)`)"""
 SLOTS_DUNDERS = {"__weakref__", "__dict__"}
 """What a slotted class names in its `__slots__` to be weakly referenced or take attributes beyond its slots."""
 ENUM_MIXINS = {"str", "int", "float"}
@@ -751,15 +753,19 @@ class _Check:
         if name in ("format", "format_map") and not imported:
             return self.format_problem(node)
         if name in FORBIDDEN_NAMES:
+            if isinstance(node, ast.arg) or isinstance(getattr(node, "ctx", None), ast.Store):
+                return Outside(f"{where} names its own `{name}` as torch or Python name what the check refuses: "
+                               f"name it otherwise (`{name}_`)")
             return _refuse(f"{where} uses `{name}`", name)
         if name.startswith(("_raw_saved_", "_saved_")):  # a backward node's saved tensors, and their hooks
             return Outside(f"{where} uses `.{name}`, a backward node's saved tensor: an FSDP never needs them; "
                            "they run inside the model's backward, where the overlap check counts only the model's "
                            "compute")
         if _dunder(name):
-            if name == "__call__" and isinstance(node, ast.Attribute):  # `enum.Enum.__call__` is enum.Enum, unchecked
-                return Outside(f"{where} uses `.__call__`: call the object itself (obj(...)), so the check reads what "
-                               "is called")
+            if name == "__call__" and isinstance(node, ast.Attribute) and not self.super_called(node):
+                # `enum.Enum.__call__` is enum.Enum, past every rule that reads which class is called
+                return Outside(f"{where} uses `.__call__`: call the object itself (obj(...), or super().__call__(...) "
+                               "in a method), so the check reads what is called")
             if name in ALLOWED_DUNDERS:
                 return None
             if name in ("__setattr__", "__delattr__"):
@@ -1000,6 +1006,12 @@ class _Check:
             child = parent
         return False
 
+    def super_called(self, node: ast.Attribute) -> bool:
+        """`super().name(...)`: the method of the file's own class's bases (checked bases), called in place."""
+        call = self.parents.get(id(node))
+        return isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) and \
+            node.value.func.id == "super" and not node.value.args and isinstance(call, ast.Call) and call.func is node
+
     def slots_problem(self, value: ast.expr) -> str | None:
         """`__slots__` written out: a string, or a tuple or list of them (the loader refuses a slot named as a dunder
         but __weakref__ and __dict__: it would stand in for what Python does under that name)."""
@@ -1010,12 +1022,18 @@ class _Check:
                        "of names, so the check can read them")
 
     def in_slots(self, node: ast.AST) -> bool:
-        """`node` is the value, or an item of the literal value, of a class body's `__slots__ = ...`."""
-        parent = self.parents.get(id(node))
+        """`node` is the value, or an item of the literal value, of a class body's `__slots__ = ...` or of the
+        `"__slots__"` key of type()'s namespace."""
+        value, parent = node, self.parents.get(id(node))
         if isinstance(parent, (ast.Tuple, ast.List, ast.Set)):
-            parent = self.parents.get(id(parent))
-        return isinstance(parent, ast.Assign) and isinstance(self.parents.get(id(parent)), ast.ClassDef) and \
-            [ast.unparse(t) for t in parent.targets] == ["__slots__"]
+            value, parent = parent, self.parents.get(id(parent))
+        if isinstance(parent, ast.Dict):
+            return any(v is value and isinstance(k, ast.Constant) and k.value == "__slots__"
+                       for k, v in zip(parent.keys, parent.values))
+        targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target] if isinstance(
+            parent, ast.AnnAssign) else []
+        return isinstance(self.parents.get(id(parent)), ast.ClassDef) and [ast.unparse(t) for t in targets] == [
+            "__slots__"]
 
     def container_problem(self, node: ast.Call) -> str | None:
         """A list, dict or set of torch's or Python's (reached by name) changed in place by its own methods."""
@@ -1057,7 +1075,8 @@ class _Check:
                            "(enum and others act on the module it names)")
         if isinstance(node, ast.Name) and node.id == "__slots__" and not isinstance(node.ctx, ast.Load):
             parent = self.parents.get(id(node))
-            if not (isinstance(parent, ast.Assign) and parent.targets == [node]):
+            if not (isinstance(parent, ast.Assign) and parent.targets == [node]
+                    or isinstance(parent, ast.AnnAssign) and parent.value is not None):
                 return Outside(f"{where} binds `__slots__` otherwise than as `__slots__ = (names)`: write it so")
             if problem := self.slots_problem(parent.value):
                 return problem
@@ -1126,6 +1145,14 @@ class _Check:
                                "in place (len(x), x[k], for v in x); an FSDP changes its own containers only")
         if any(value is d for d in DECORATORS_ONLY) and (problem := self.decorator_problem(node, value)):
             return problem
+        if value is not None and any(value is w for w in (enum.member, enum.nonmember)):
+            return Outside(f"{where} uses `{ast.unparse(node)}`, which decides what an enum makes a member: an enum's "
+                           "body is its members (NAME = value) and methods")
+        if isinstance(node, ast.Attribute) and node.attr in ("KW_ONLY", "InitVar") and \
+                self.resolve(node.value) is dataclasses:
+            return (f"{where} writes `{ast.unparse(node)}`: write `from dataclasses import {node.attr}` and use "
+                    f"`{node.attr}` (a file under test gets a checked copy of dataclasses, which dataclass does not "
+                    "take for itself in a `dataclasses.` annotation)")
         if value is dataclasses.dataclass and isinstance(node, ast.Attribute) and \
                 self.resolve(node.value) is not dataclasses:  # torch.compiler.dataclass: Python's, not the loader's
             return self.dataclass_elsewhere(node, ast.unparse(node))
@@ -1422,8 +1449,9 @@ class _Check:
                                    f"{func}, which could change it: pass your own objects, and use torch's classes "
                                    "in place (isinstance(x, torch.Tensor))")
         value = resolved
-        if isinstance(value, type) and issubclass(value, enum.Enum) and (
-                len(node.args) >= 2 or any(kw.arg == "names" for kw in node.keywords) or _unpacks(node)):
+        own_enum = isinstance(node.func, ast.Name) and node.func.id in self.own_enums
+        if (isinstance(value, type) and issubclass(value, enum.Enum) or own_enum) and (
+                len(node.args) >= 2 or any(kw.arg in _ENUM_API_KEYWORDS for kw in node.keywords) or _unpacks(node)):
             return Outside(f"{where} makes an enum from strings, whose functional API sets any attribute on the "
                            "class it makes: write the enum out as a class")
         return None

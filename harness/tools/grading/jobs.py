@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
@@ -545,6 +546,62 @@ def _sets_every_element(func, args, kwargs) -> bool:
     return bool(hit.all())
 
 
+# [Note: reads the dispatcher does not show]
+# The log sees what reaches the dispatcher, and some of torch's code reads a tensor's values where it does not: a
+# kernel reading another argument's memory in C++ (tensor_split's indices, a packed sequence's batch sizes), torch's
+# own Python turning a tensor into numbers (tolist: tensordot's dims, a DeviceMesh's), the printing of a tensor
+# (which runs with every dispatch mode off), a tensor made from tensors (torch.tensor([t[0], t[1]]): copied with the
+# dispatcher's Python key off). So beside its dispatch mode the log holds a function mode, which sees every call of
+# torch's API with its arguments as given. While an asynchronous collective is pending, a call handed a tensor over
+# its output reads it, unless it only describes it (_DESCRIBE_ONLY: its size, its address) or what it returns is a
+# view of it (a split, an index, a detach); the ops the call dispatches are judged as ever. And a tensor made from
+# tensors by torch.tensor and its kin is refused outright: their values are copied where the data verdict cannot
+# label them (clone(), torch.cat and torch.stack copy where it can).
+_DESCRIBE_ONLY = frozenset({
+    "__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "data_ptr",
+    "untyped_storage", "is_contiguous", "element_size", "__len__", "__hash__", "register_hook", "requires_grad_",
+    "is_floating_point", "is_complex", "is_signed", "get_device", "is_pinned", "is_shared", "record_stream",
+    "__setitem__", "copy_", "fill_", "zero_", "type", "is_set_to", "__torch_function__"})
+"""calls that describe a tensor without reading its values, or write it (judged by the ops they dispatch)"""
+_FROM_DATA = {"tensor": 0, "as_tensor": 0, "asarray": 0, "new_tensor": 1}
+"""torch.tensor and its kin: where their data is (its position among the arguments)"""
+
+
+class _TorchCalls(TorchFunctionMode):
+    """The log's function mode ([Note: reads the dispatcher does not show])."""
+
+    def __init__(self, log: CommLog):
+        super().__init__()
+        self.log = log
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        log, name = self.log, getattr(func, "__name__", "")
+        if log.problems:
+            return func(*args, **kwargs)
+        if name in _FROM_DATA:
+            data = kwargs.get("data", kwargs.get("obj", args[_FROM_DATA[name]] if len(args) > _FROM_DATA[name] else None))
+            if isinstance(data, (list, tuple)) and next(_tensors(data), None) is not None:
+                log.problems.append(
+                    f"step {log.step} ({_phase()}): torch.{name} makes a tensor from tensors, copying their values "
+                    "where the log cannot see them: copy tensors with clone(), torch.cat or torch.stack")
+        if not log.pending or name in _DESCRIBE_ONLY:
+            return func(*args, **kwargs)
+        given, what = [t for t in _tensors((args, kwargs)) if _followed(t)], f"torch's {getattr(func, '__qualname__', name)}"
+        try:
+            out = func(*args, **kwargs)
+        except BaseException:  # what it read, it read (an error can tell what it found)
+            log.read_pending(given, what)
+            raise
+        if given:  # read unless what it returns views it
+            log.read_pending(given, what, [r for t in _tensors(out) if _followed(t) and (r := _extent(t))])
+        return out
+
+
+def _phase() -> str:
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
 class CommLog(TorchDispatchMode):
     """Every collective a rank issues (all-gathers, reduce-scatters, all-reduces: HSDP's and the loop's,
     and any other, under its op's name): (step, phase, kind, dtype, bytes) and the ranks of its
@@ -600,8 +657,14 @@ class CommLog(TorchDispatchMode):
             routes["UntypedStorage.resize_"] = self.sources.resizing(current("UntypedStorage.resize_"))
         self._routing = routed(routes)
         self._routing.__enter__()
+        self._calls = _TorchCalls(self)
         try:
-            return super().__enter__()
+            self._calls.__enter__()
+            try:
+                return super().__enter__()
+            except BaseException:
+                self._calls.__exit__(None, None, None)
+                raise
         except BaseException:
             self._routing.__exit__(None, None, None)
             raise
@@ -610,7 +673,10 @@ class CommLog(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            self._routing.__exit__(None, None, None)
+            try:
+                self._calls.__exit__(None, None, None)
+            finally:
+                self._routing.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # A tensor subclass with a dispatch of its own (DTensor) first: it runs with this mode still on, so the
@@ -680,17 +746,7 @@ class CommLog(TorchDispatchMode):
                 self.sources.landed(*landed)
             return out
         if self.pending and not self.problems and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
-            read = [r for t in _tensors((args, kwargs)) if _followed(t) and (r := _extent(t))]
-            for work, outputs, kind in self.pending.values():
-                written = [r for t in outputs if (r := _extent(t))]  # where they are now
-                if any(a < d and c < b for a, b in read for c, d in written):
-                    phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-                    self.problems.append(
-                        f"step {self.step} ({phase}): {func} reads the output of an asynchronous {kind.replace('_', '-')} "
-                        "before its work handle was waited for: wait (work.wait()) before using a collective's result "
-                        "(read before, it may not be there yet; polled until it is, it is a wait the overlap check "
-                        "cannot see)")
-                    break
+            self.read_pending(_tensors((args, kwargs)), str(func))
         if self.sources is not None and (func in _MADE or func.overloadpacket in _FRESH):
             # new memory (a factory, or a tensor made from Python values): whatever a storage freed there held is gone
             out = self.sources.moving([t.untyped_storage() for t in _tensors(kwargs) if _followed(t)],
@@ -709,6 +765,21 @@ class CommLog(TorchDispatchMode):
         if self.sources is not None and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
             return self.sources.ran(func, args, kwargs, lambda: func(*args, **kwargs))
         return func(*args, **kwargs)
+
+    def read_pending(self, tensors, what: str, views=()) -> None:
+        """A problem if `tensors` (read by `what`) overlap the output of a pending collective, but where they are its
+        views, `views` ([Note: a collective's result read before its wait])."""
+        read = [r for t in tensors if _followed(t) and (r := _extent(t))]
+        for work, outputs, kind in self.pending.values():
+            written = [r for t in outputs if (r := _extent(t))]  # where they are now
+            if any(a < d and c < b for a, b in read for c, d in written) and not any(
+                    a < d and c < b for a, b in views for c, d in written):
+                self.problems.append(
+                    f"step {self.step} ({_phase()}): {what} reads the output of an asynchronous "
+                    f"{kind.replace('_', '-')} before its work handle was waited for: wait (work.wait()) before using a "
+                    "collective's result (read before, it may not be there yet; polled until it is, it is a wait the "
+                    "overlap check cannot see)")
+                return
 
     def record(self) -> Comm:
         return Comm(list(self.events), self.uses_fsdp2, list(self.groups))

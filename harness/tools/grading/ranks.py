@@ -123,6 +123,7 @@ def _worker(role: str, rank: int, world_size: int, port: int, device: str, threa
         if data:
             from harness.tools.grading import sandbox
 
+            conn.recv_bytes()  # the pool's go-ahead: this rank is in the registry of live ranks (sandbox.py)
             sandbox.enter(private)
         elif role == "trusted":
             impl.refuse_files(TRUSTED_ONLY)
@@ -220,6 +221,8 @@ class RankPool:
                     theirs.close()
             if self.private is not None:  # live ranks, which every sweep leaves running while the pool is open
                 self._registered = sandbox.register([p.pid for p in self._procs])
+                for conn in self._conns:
+                    conn.send_bytes(b"registered")  # now each may become the sandbox user
             self._collect("start-up", None, start_timeout)
         except BaseException:  # a rank that could not start, or an interrupt: nothing of the pool outlives it
             self.close()  # (its private folder and network holder included)

@@ -18,6 +18,7 @@ there is nothing of anyone else's to protect.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import os
 import resource
@@ -94,6 +95,9 @@ class Private:
     network: int | None = None
     """pid of the process holding this pool's network namespace (`Network`), which its ranks join;
     None: they share the machine's (not root, or namespaces not allowed here)"""
+    lock: int | None = None
+    """descriptor holding the lock on root/.lock while the pool is open ([Note: which processes of the sandbox
+    user are live ranks]); None when not root"""
 
     @property
     def home(self) -> Path:
@@ -119,10 +123,16 @@ class Private:
 
             reachable()
             hide(*hidden(ROOT))
-        if uid is not None:
+            # what gradings no longer running left (killed: none of their pools closed), before this one's file is
+            # staged: their processes (no live rank of an open pool's) and their folders
+            sweep()
+            sweep_files()
             remove_dead_roots()
         root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_roots`
+        lock = None
         try:
+            if uid is not None:  # held while the pool is open: a later pool removes the folder once it is not
+                lock = _locked(root / ".lock")
             for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
                 (root / sub).mkdir()
                 os.chmod(root / sub, mode)
@@ -132,8 +142,10 @@ class Private:
             network = Network.start(root) if uid is not None and not compat.simulated() else None
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
+            if lock is not None:
+                os.close(lock)
             raise
-        return cls(root, uid, gid, network)
+        return cls(root, uid, gid, network, lock)
 
     def output(self, name: str, src: Path | None) -> Path:
         """A new folder in out/ for one output of a run, holding a copy of `src`'s files (the grader's,
@@ -150,6 +162,8 @@ class Private:
     def remove(self) -> None:
         Network.stop(self.root)
         shutil.rmtree(self.root, ignore_errors=True)  # never follows a link the sandbox left in it
+        if self.lock is not None:
+            os.close(self.lock)
 
 
 ROOT_PREFIX = "fsdp-sandbox-"
@@ -166,6 +180,12 @@ def remove_roots(pid: int) -> list[str]:
     return removed
 
 
+def _pid_exists(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid)
+
+
 def remove_dead_roots() -> list[str]:
     """The private folders of every grading that no longer runs (killed: a time limit, a signal, out of memory):
     they hold its files under test (a copy of the reference, when instructors graded it), which a later grading's
@@ -177,7 +197,10 @@ def remove_dead_roots() -> list[str]:
             info = path.lstat()
         except OSError:
             continue
-        if pid.isdigit() and stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not _alive(int(pid)):
+        if not (pid.isdigit() and stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()):
+            continue
+        held = _held_open(path / ".lock")  # the pool's lock, let go when its grading died
+        if held is False or held is None and not _pid_exists(int(pid)):  # (no lock: a pool that died being made)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
     return removed
@@ -274,13 +297,16 @@ def reachable(*more: Path) -> None:
 @functools.cache
 def hidden(root: Path) -> tuple[Path, ...]:
     """What the repository holds that no file under test may read: the files that define an FSDP (a `fully_shard` at
-    their top level) but the skeleton every student holds, and the history (`.git`). In the instructors' checkout,
-    where `grade` runs, that is the reference, the second solution and any submission kept there; a released copy and
-    the Gradescope bundle hold none of them. Not the harness, nor a hidden folder (the environment, the store). Read
-    once per process (every sandboxed pool's start closes them)."""
+    their top level) but the skeleton every student holds, the mutant registry (snippets of the reference, the lines a
+    student writes among them), pytest's cache (the failed tests of the run before), and the history (`.git`). In the
+    instructors' checkout, where `grade` runs, that is
+    the reference, the second solution, the mutants and any submission kept there; a released copy and the Gradescope
+    bundle hold none of them. Not the harness, nor a hidden folder (the environment, the store). Read once per process
+    (every sandboxed pool's start closes them)."""
     import ast
 
-    found = [root / ".git"]
+    found = [root / ".git", *[p for p in (root / "solution" / "tests" / "mutation.py", root / ".pytest_cache")
+                              if p.exists()]]
     for folder, folders, files in os.walk(root):
         folders[:] = [f for f in folders if not f.startswith(".") and f not in ("__pycache__", "harness")]
         for name in files:
@@ -458,12 +484,12 @@ def any_thread_runs(pid: int) -> bool:
 # root would stop the grader too), and kill(-1) is what no chain of forks outruns. A process of that user may
 # in turn be signalled by every other: a chain that kills every process of its user each generation would kill
 # the signaller before it stopped anything (a red-team file's did, and outlived its grading). So the signaller
-# is a child forked by root that takes the sandbox user as its effective uid only, with a real and saved uid
-# that no process holds (a bystander's): kill(-1) reaches every process whose uid is the sandbox user's, and no
-# process of the sandbox user may signal or trace it back (its real and saved uids are not theirs). It forks
-# without exec (exec would make the saved uid the effective one) and makes only system calls before it exits.
-# Where no such uid can be taken (a user namespace that maps few), a process of the sandbox user signals, as
-# before, and a sweep that could not stop them all reads the processes one by one.
+# is a fresh interpreter started by root that takes the sandbox user as its effective uid only, with a real and
+# saved uid that no process holds (a bystander's): kill(-1) reaches every process whose uid is the sandbox
+# user's, and no process of the sandbox user may signal or trace it (its real and saved uids are not theirs).
+# It execs nothing after (exec would make the saved uid the effective one). Where no such uid can be taken (a
+# user namespace that maps few), a process of the sandbox user signals, said once on stderr, and a sweep that
+# could not stop them all reads the processes one by one.
 
 
 @functools.lru_cache(maxsize=None)
@@ -487,6 +513,21 @@ def _bystander_uid(uid: int) -> int | None:
     return None
 
 
+_SIGNALLER = """
+import os, sys
+uid, gid, bystander, sig = map(int, sys.argv[1:])
+os.setgroups([])
+os.setresgid(gid, gid, gid)
+os.setresuid(bystander, uid, bystander)  # and no exec after: the saved uid stays the bystander's
+if sig:
+    try:
+        os.kill(-1, sig)  # every process of the sandbox user, none of which may signal this one back
+    except ProcessLookupError:
+        pass
+else:
+    sys.stdin.read()  # a test's: held until its stdin closes
+"""
+
 _SIGNAL_EVERY = """
 import os, sys
 try:
@@ -496,37 +537,32 @@ except ProcessLookupError:
 """
 
 
-def signaller(uid: int, gid: int, act) -> int | None:
-    """Fork a child that runs `act()` (system calls only) as the sandbox user's signaller ([Note: the signaller of
-    the sweep]) and exits; its pid, or None where no bystander uid can be taken."""
-    bystander = _bystander_uid(uid)
-    if bystander is None:
+def signaller(uid: int, gid: int, sig: int, **popen) -> subprocess.Popen | None:
+    """Start the sandbox user's signaller ([Note: the signaller of the sweep]), which sends `sig` (0: none, it
+    waits for its stdin to close); None where no bystander uid can be taken."""
+    if (bystander := _bystander_uid(uid)) is None:
         return None
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(bystander, uid, bystander)
-            act()
-            code = 0
-        finally:
-            os._exit(code)
-    return pid
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _SIGNALLER, str(uid), str(gid), str(bystander),
+                             str(int(sig))], env={"PATH": os.defpath}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, **popen)
+
+
+_said_signaller = False
 
 
 def _signal_every(uid: int, gid: int, sig: int) -> bool:
     """Send `sig` to every process of the sandbox user at once ([Note: the signaller of the sweep]). Whether it
     was sent."""
-    def every():
-        try:
-            os.kill(-1, sig)  # every process the signaller may signal, but itself
-        except ProcessLookupError:
-            pass
-
-    if (pid := signaller(uid, gid, every)) is not None and os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0:
-        return True
+    global _said_signaller
+    try:
+        if (proc := signaller(uid, gid, sig, stdin=subprocess.DEVNULL)) is not None and proc.wait(timeout=30) == 0:
+            return True
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if not _said_signaller:
+        _said_signaller = True
+        print(f"sandbox: no uid of no one's to signal {USER}'s processes from: a process of {USER} signals them, "
+              "which another could kill first", file=sys.stderr, flush=True)
     try:  # a process of the sandbox user, which the others could kill first
         done = subprocess.run([sys.executable, "-I", "-S", "-c", _SIGNAL_EVERY, str(int(sig))], user=uid, group=gid,
                               extra_groups=[], env={"PATH": os.defpath}, stdin=subprocess.DEVNULL,
@@ -542,22 +578,26 @@ def _signal_every(uid: int, gid: int, sig: int) -> bool:
 # tell them by their parent: a rank can make a process whose parent is its own (clone with CLONE_PARENT: a sibling,
 # as another pool's rank is), and an orphan goes to the nearest subreaper above it, not always to pid 1. So a pool
 # writes its ranks where every grading's sweep reads them, in a folder only root writes (/run, never /tmp, where
-# the sandbox user could make it first): one file per pool, named for its grading's pid, each rank by its pid and
-# start time (a pid the kernel gives again is another process). A sweep spares a process only when a live
-# grading's file names it. Where no such folder can be made (not root, a read-only /run), the sweep falls back to
-# this process's own pools (LIVE_RANKS): what descends from this process and is no live rank of it, what lost its
-# parent, goes.
+# the sandbox user could make it first): one file per pool, each rank by its pid and its start (in clock ticks
+# since boot, which no clock change moves: a pid the kernel gives again is another process), and a rank becomes
+# the sandbox user only once it is written. The pool holds a lock on its file while it is open, which the kernel
+# lets go when the grading dies however it dies: a file whose lock can be taken is a dead grading's, its ranks
+# leftovers. The same lock on a pool's private folder says whether its grading still runs (remove_dead_roots).
+# Where no such folder can be made (not root, a read-only /run), the sweep falls back to this process's own pools
+# (LIVE_RANKS): what descends from this process and is no live rank of it, what lost its parent, goes. Every
+# grading on a machine runs one version of this protocol: the ranks of a grading that writes no locked file are
+# leftovers to every other's sweep.
 REGISTRY = Path("/run/fsdp-sandbox")
 LIVE_RANKS: set[int] = set()
 """the pids of the live ranks of this process's sandboxed pools"""
 
 
-def _started(pid: int) -> float | None:
-    import psutil
-
+def _started(pid: int) -> str | None:
+    """When the process started, in clock ticks since boot (/proc/<pid>/stat's starttime), or None if gone."""
     try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
         return None
 
 
@@ -573,21 +613,56 @@ def _registry() -> Path | None:
     return REGISTRY
 
 
-def register(pids: list[int]) -> Path | None:
-    """Write a new pool's ranks in the registry ([Note: which processes of the sandbox user are live ranks]); the
-    file, which `unregister` removes when the pool closes."""
+def _held_open(path: Path) -> bool | None:
+    """Whether a live process holds `path`'s lock (a live grading's); None if there is no such file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _locked(path: Path) -> int:
+    """A new file at `path` (root's alone), locked by this process while the returned descriptor is open."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A pool's entry in the registry of live ranks: its file, and the descriptor holding the file's lock."""
+
+    path: Path
+    fd: int
+
+
+def register(pids: list[int]) -> Registration | None:
+    """Write a new pool's ranks in the registry ([Note: which processes of the sandbox user are live ranks]),
+    before they become the sandbox user; `unregister` takes them out when the pool closes."""
     LIVE_RANKS.update(pids)
     if not wanted() or (folder := _registry()) is None:
         return None
     path = folder / f"{os.getpid()}-{secrets.token_hex(8)}"
-    path.write_text("".join(f"{pid} {_started(pid)!r}\n" for pid in pids))
-    return path
+    part = path.with_name(path.name + ".part")  # read by no sweep until whole
+    fd = _locked(part)
+    os.write(fd, "".join(f"{pid} {_started(pid)}\n" for pid in pids).encode())
+    os.replace(part, path)
+    return Registration(path, fd)
 
 
-def unregister(pids: list[int], path: Path | None) -> None:
+def unregister(pids: list[int], registration: Registration | None) -> None:
+    """The pool's ranks are no live ranks any more (it is closing)."""
     LIVE_RANKS.difference_update(pids)
-    if path is not None:
-        path.unlink(missing_ok=True)
+    if registration is not None:
+        registration.path.unlink(missing_ok=True)
+        os.close(registration.fd)
 
 
 def _live_ranks() -> set[int] | None:
@@ -596,27 +671,25 @@ def _live_ranks() -> set[int] | None:
         return None
     live = set(LIVE_RANKS)
     for path in folder.iterdir():
-        grader = path.name.partition("-")[0]
-        if not grader.isdigit() or not _alive(int(grader)):
-            path.unlink(missing_ok=True)  # a grading that was killed: its ranks are leftovers now
+        if path.name.endswith(".part"):  # a pool writing its file
             continue
-        for line in path.read_text().splitlines():
+        held = _held_open(path)
+        if held is False:  # a grading that died: its ranks are leftovers now
+            path.unlink(missing_ok=True)
+        if not held:
+            continue
+        try:
+            lines = path.read_text().splitlines()
+        except FileNotFoundError:  # its pool closed meanwhile
+            continue
+        for line in lines:
             pid, _, started = line.partition(" ")
-            if pid.isdigit() and repr(_started(int(pid))) == started:
+            if pid.isdigit() and _started(int(pid)) == started:
                 live.add(int(pid))
     return live
 
 
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _ours(pid: int) -> bool:
+def _descends_from_here(pid: int) -> bool:
     """Whether `pid` is this process or descends from it (a forkserver, a rank)."""
     import psutil
 
@@ -660,7 +733,7 @@ def sweep(ranks: list[int] = (), timeout: float = 10.0) -> list[int]:
             live = _live_ranks()
             roots = {pid for pid, parent in procs.items() if parent <= 1 or parent in doomed or (
                 parent not in procs and pid not in (LIVE_RANKS if live is None else live)
-                and (live is not None or _ours(parent)))}
+                and (live is not None or _descends_from_here(parent)))}
             tree, grew = set(roots), True
             while grew:
                 grew = False

@@ -142,6 +142,9 @@ def main(args: Args) -> None:
     pictures = args.pictures or (args.out.parent / f"{args.out.stem}-pictures" if args.out else None)
     page = args.similarity_page or (args.out and args.out.with_name("similarity.md"))
     if sandbox.wanted():
+        if pictures and str(pictures.resolve()) in sandbox.SHARED_FOLDERS:
+            stop(f"--pictures {pictures} is a folder every user may write: give a folder of the grading's own "
+                 "(its pictures show each submission's results, closed to the submissions graded later)", BAD_INPUT)
         if args.submissions.is_dir():
             sandbox.hide(args.submissions)  # no submission reads another's (each is graded from a copy of its own)
         # nor what the grading writes of the others (their points, messages, code side by side), now or later
