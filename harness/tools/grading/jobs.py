@@ -587,14 +587,18 @@ class _TorchCalls(TorchFunctionMode):
                     "where the log cannot see them: copy tensors with clone(), torch.cat or torch.stack")
         if not log.pending or name in _DESCRIBE_ONLY:
             return func(*args, **kwargs)
-        given, what = [t for t in _tensors((args, kwargs)) if _followed(t)], f"torch's {getattr(func, '__qualname__', name)}"
+        # only tensors in the memory of a pending output (its storage's), each read at most once per call
+        held = log.pending_storages()
+        given = [t for t in _tensors((args, kwargs)) if _followed(t) and t.untyped_storage().data_ptr() in held]
+        if not given:
+            return func(*args, **kwargs)
+        what = f"torch's {getattr(func, '__qualname__', name)}"
         try:
             out = func(*args, **kwargs)
         except BaseException:  # what it read, it read (an error can tell what it found)
             log.read_pending(given, what)
             raise
-        if given:  # read unless what it returns views it
-            log.read_pending(given, what, [r for t in _tensors(out) if _followed(t) and (r := _extent(t))])
+        log.read_pending(given, what, [r for t in _tensors(out) if _followed(t) and (r := _extent(t))])  # unless a view
         return out
 
 
@@ -765,6 +769,10 @@ class CommLog(TorchDispatchMode):
         if self.sources is not None and not func.is_view and func.overloadpacket not in _SHAPE_ONLY:
             return self.sources.ran(func, args, kwargs, lambda: func(*args, **kwargs))
         return func(*args, **kwargs)
+
+    def pending_storages(self) -> set[int]:
+        """Where the storages of the pending collectives' outputs are now (a storage resized in place moves)."""
+        return {t.untyped_storage().data_ptr() for _, outputs, _ in self.pending.values() for t in outputs}
 
     def read_pending(self, tensors, what: str, views=()) -> None:
         """A problem if `tensors` (read by `what`) overlap the output of a pending collective, but where they are its
