@@ -661,7 +661,11 @@ class CommLog(TorchDispatchMode):
             routes["UntypedStorage.resize_"] = self.sources.resizing(current("UntypedStorage.resize_"))
         self._routing = routed(routes)
         self._routing.__enter__()
-        self._calls = _TorchCalls(self)
+        from harness import impl
+
+        # not in a rank that trains FSDP2 only (impl.refuse_files): torch's own code there needs no such eye, and the
+        # function mode costs Python on every call
+        self._calls = _TorchCalls(self) if impl._REFUSED is None else contextlib.nullcontext()
         try:
             self._calls.__enter__()
             try:
