@@ -61,6 +61,11 @@ def refuse_files(reason: str) -> None:
     _REFUSED = reason
 
 
+def files_refused() -> bool:
+    """Whether this process imports no file under test (refuse_files): a rank that trains FSDP2 only."""
+    return _REFUSED is not None
+
+
 def load(impl: str) -> ModuleType:
     """Import effdl (once per file) and check it has what train.py calls."""
     if _REFUSED:
@@ -326,15 +331,15 @@ def _check_made(made, name: str) -> None:
     import enum
     import types
 
-    if isinstance(made, type):
-        _MADE.add(made)
-        for key, value in vars(made).items():  # what its __slots__ made, read off the class itself
-            if isinstance(value, types.MemberDescriptorType) and key[:2] == key[-2:] == "__":
-                raise TypeError(f"class {name}: a class of a file under test has slots of plain names, not {key!r} (a "
-                                "slot named as a dunder stands in for what Python does under that name): name your "
-                                "slots otherwise")
-
-    if isinstance(made, type) and (issubclass(made, dataclasses.Field) or "__class__" in vars(made)):
+    if not isinstance(made, type):
+        return
+    _MADE.add(made)
+    for key, value in vars(made).items():  # what its __slots__ made, read off the class itself
+        if isinstance(value, types.MemberDescriptorType) and key[:2] == key[-2:] == "__":
+            raise TypeError(f"class {name}: a class of a file under test has slots of plain names, not {key!r} (a slot "
+                            "named as a dunder stands in for what Python does under that name): name your slots "
+                            "otherwise")
+    if issubclass(made, dataclasses.Field) or "__class__" in vars(made):
         raise TypeError(f"class {name}: a class of a file under test neither derives from dataclasses.Field nor defines "
                         "__class__ (isinstance would take its objects for another's): write plain classes")
     if isinstance(made, enum.EnumType) and not made._member_names_:
@@ -348,10 +353,12 @@ def _check_made(made, name: str) -> None:
 # descriptor (no member, so the enum stays open to more), a `module` that is another's. The source check refuses
 # such a call where it can read it; behind it, in a process that loads a file under test, the functional API makes
 # members only: at least one, each name an identifier that starts with no underscore, each value no descriptor
-# and no enum.member or enum.nonmember wrapper, a mixin of ENUM_MIXINS' only, under the caller's module (given or
+# and no enum.member or enum.nonmember wrapper, a mixin of ENUM_MIXINS only, under the caller's module (given or
 # not: enum's own lookup of the caller would find this check's frame). No one else in such a process needs more:
 # torch writes its enums as classes.
-_ENUM_MIXINS = (None, str, int, float)
+ENUM_MIXINS = (str, int, float)
+"""Python's own types an enum of a file under test may mix in (`class Kind(str, enum.Enum)`, `type=str`): they bring no
+attribute enum reads (`_value_`, `_missing_`)"""
 
 
 def guard_enum_api() -> None:
@@ -394,7 +401,7 @@ def guard_enum_api() -> None:
             names, given = items, [name for name, _ in items]
         if not given:
             refuse("no members at all (an enum without any is open to more)")
-        if not any(type is mixin for mixin in _ENUM_MIXINS):
+        if type is not None and not any(type is mixin for mixin in ENUM_MIXINS):
             refuse(f"type={type!r} (a mixin of str, int or float only)")
         if qualname is not None and builtins.type(qualname) is not str:
             refuse(f"qualname={qualname!r}")

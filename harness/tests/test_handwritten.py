@@ -529,8 +529,8 @@ OUTSIDE = {
                             "makes an enum from strings"),
     "enum_nonmember": ("import enum\nx = enum.nonmember(1)\n", 2, "which decides what an enum makes a member"),
     "own_attribute_named_as_refused": ("class S:\n    def __init__(self):\n        self.events = []\n", 3,
-                                       "names its own `events` as torch or Python name what the check refuses: name "
-                                       "it otherwise (`events_`)"),
+                                       "names its own `events`, a name of torch's or Python's that the check "
+                                       "refuses: name it otherwise (`events_`)"),
     "call_taken": ("import enum\nmake = enum.Enum.__call__\n", 2, "uses `.__call__`: call the object itself"),
     "mutator_taken": ("import typing\ngrow = typing.EXCLUDED_ATTRIBUTES.append\n", 2,
                       "takes `typing.EXCLUDED_ATTRIBUTES.append`, which changes `typing.EXCLUDED_ATTRIBUTES`, a "

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from harness import impl
 from harness.impl import stored_attribute
 
 FSDP2_USED = "uses PyTorch's FSDP2, not your own"
@@ -352,9 +353,8 @@ _ENUM_API_KEYWORDS = {"names", "module", "qualname", "type", "start", "boundary"
 """the keywords of enum's functional API (`E("X", names, type=...)`)"""
 SLOTS_DUNDERS = {"__weakref__", "__dict__"}
 """What a slotted class names in its `__slots__` to be weakly referenced or take attributes beyond its slots."""
-ENUM_MIXINS = {"str", "int", "float"}
-"""Python's own types an enum may mix in (`class Kind(str, enum.Enum)`): builtins the check trusts by their name,
-which bring no attribute enum reads (`_value_`, `_missing_`)."""
+ENUM_MIXINS = {mixin.__name__ for mixin in impl.ENUM_MIXINS}
+"""the names of the builtins an enum may mix in (the loader's ENUM_MIXINS), which the check trusts by their name"""
 CONTAINER_MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
                       "add", "discard", "sort", "reverse", "difference_update", "intersection_update",
                       "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__", "__ior__"}
@@ -754,8 +754,8 @@ class _Check:
             return self.format_problem(node)
         if name in FORBIDDEN_NAMES:
             if isinstance(node, ast.arg) or isinstance(getattr(node, "ctx", None), ast.Store):
-                return Outside(f"{where} names its own `{name}` as torch or Python name what the check refuses: "
-                               f"name it otherwise (`{name}_`)")
+                return Outside(f"{where} names its own `{name}`, a name of torch's or Python's that the check "
+                               f"refuses: name it otherwise (`{name}_`)")
             return _refuse(f"{where} uses `{name}`", name)
         if name.startswith(("_raw_saved_", "_saved_")):  # a backward node's saved tensors, and their hooks
             return Outside(f"{where} uses `.{name}`, a backward node's saved tensor: an FSDP never needs them; "

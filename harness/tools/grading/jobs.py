@@ -628,7 +628,7 @@ class CommLog(TorchDispatchMode):
         # and a functional all-gather's, by its output's storage token, at its wait_tensor
         self.landing: dict[int, tuple] = {}
         self.landing_tensors: dict[int, list[tuple]] = {}
-        self._routing = None
+        self._entered: contextlib.ExitStack | None = None  # what __enter__ entered besides the mode itself
 
     def __enter__(self):
         pending, landing, sources = self.pending, self.landing, self.sources
@@ -659,32 +659,23 @@ class CommLog(TorchDispatchMode):
         routes = {f"Work.{name}": waiting(name) for name in WORK_WAITS if name != "is_completed"}
         if self.sources is not None:
             routes["UntypedStorage.resize_"] = self.sources.resizing(current("UntypedStorage.resize_"))
-        self._routing = routed(routes)
-        self._routing.__enter__()
         from harness import impl
 
-        # not in a rank that trains FSDP2 only (impl.refuse_files): torch's own code there needs no such eye, and the
-        # function mode costs Python on every call
-        self._calls = _TorchCalls(self) if impl._REFUSED is None else contextlib.nullcontext()
-        try:
-            self._calls.__enter__()
-            try:
-                return super().__enter__()
-            except BaseException:
-                self._calls.__exit__(None, None, None)
-                raise
-        except BaseException:
-            self._routing.__exit__(None, None, None)
-            raise
+        with contextlib.ExitStack() as entered:
+            entered.enter_context(routed(routes))
+            # not in a rank that trains FSDP2 only: torch's own code there needs no such eye, and the function mode
+            # costs Python on every call
+            if not impl.files_refused():
+                entered.enter_context(_TorchCalls(self))
+            out = super().__enter__()
+            self._entered = entered.pop_all()
+        return out
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            try:
-                self._calls.__exit__(None, None, None)
-            finally:
-                self._routing.__exit__(None, None, None)
+            self._entered.close()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # A tensor subclass with a dispatch of its own (DTensor) first: it runs with this mode still on, so the
@@ -722,7 +713,7 @@ class CommLog(TorchDispatchMode):
                 sent = [(tensors[0].dtype if tensors else None, sum(t.numel() * t.element_size() for t in tensors))]
                 kind = name.strip("_")
             # outside backward: forward, and the loop's own all-reduces (the loss, the grad norm), FSDP2's too
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            phase = _phase()
             ranks = group_ranks(func, args)
             for dtype, nbytes in sent:
                 self.events.append((self.step, phase, kind, str(dtype).removeprefix("torch."), nbytes))

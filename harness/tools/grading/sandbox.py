@@ -128,7 +128,7 @@ class Private:
             sweep()
             sweep_files()
             remove_dead_roots()
-        root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_roots`
+        root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_dead_roots`
         lock = None
         try:
             if uid is not None:  # held while the pool is open: a later pool removes the folder once it is not
@@ -169,17 +169,6 @@ class Private:
 ROOT_PREFIX = "fsdp-sandbox-"
 
 
-def remove_roots(pid: int) -> list[str]:
-    """The private folders of the pools the (dead) process `pid` made, which it never closed: a grading
-    killed for its time (a hung submission) leaves them otherwise, one in the temporary folder per kill.
-    Each is named for the process that made it, so another grading's folders are never touched."""
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}{pid}-*"):
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(str(path))
-    return removed
-
-
 def _pid_exists(pid: int) -> bool:
     import psutil
 
@@ -187,9 +176,10 @@ def _pid_exists(pid: int) -> bool:
 
 
 def remove_dead_roots() -> list[str]:
-    """The private folders of every grading that no longer runs (killed: a time limit, a signal, out of memory):
-    they hold its files under test (a copy of the reference, when instructors graded it), which a later grading's
-    ranks, run as the same user, would read otherwise. Removed before a pool makes its own."""
+    """The private folders of every grading that no longer runs (killed: a time limit, a signal, out of memory), each
+    named for the process that made it: they hold its files under test (a copy of the reference, when instructors
+    graded it), which a later grading's ranks, run as the same user, would read otherwise. Removed before a pool makes
+    its own, and by `grade` once it stopped a submission's pytest; a live grading's folders are never touched."""
     removed = []
     for path in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*-*"):
         pid = path.name[len(ROOT_PREFIX):].partition("-")[0]
@@ -299,10 +289,9 @@ def hidden(root: Path) -> tuple[Path, ...]:
     """What the repository holds that no file under test may read: the files that define an FSDP (a `fully_shard` at
     their top level) but the skeleton every student holds, the mutant registry (snippets of the reference, the lines a
     student writes among them), pytest's cache (the failed tests of the run before), and the history (`.git`). In the
-    instructors' checkout, where `grade` runs, that is
-    the reference, the second solution, the mutants and any submission kept there; a released copy and the Gradescope
-    bundle hold none of them. Not the harness, nor a hidden folder (the environment, the store). Read once per process
-    (every sandboxed pool's start closes them)."""
+    instructors' checkout, where `grade` runs, that is the reference, the second solution, the mutants and any
+    submission kept there; a released copy and the Gradescope bundle hold none of them. Not the harness, nor a hidden
+    folder (the environment, the store). Read once per process (every sandboxed pool's start closes them)."""
     import ast
 
     found = [root / ".git", *[p for p in (root / "solution" / "tests" / "mutation.py", root / ".pytest_cache")
@@ -561,8 +550,8 @@ def _signal_every(uid: int, gid: int, sig: int) -> bool:
         pass
     if not _said_signaller:
         _said_signaller = True
-        print(f"sandbox: no uid of no one's to signal {USER}'s processes from: a process of {USER} signals them, "
-              "which another could kill first", file=sys.stderr, flush=True)
+        print(f"sandbox: no uid that no process holds could be taken to signal {USER}'s processes from: a process "
+              f"of {USER} signals them, which another could kill first", file=sys.stderr, flush=True)
     try:  # a process of the sandbox user, which the others could kill first
         done = subprocess.run([sys.executable, "-I", "-S", "-c", _SIGNAL_EVERY, str(int(sig))], user=uid, group=gid,
                               extra_groups=[], env={"PATH": os.defpath}, stdin=subprocess.DEVNULL,

@@ -109,7 +109,7 @@ def grade(path: Path, timeout: float, pytest_args: list[str], artifacts: Path | 
                 pass
             sandbox.sweep()
             sandbox.sweep_files()
-            sandbox.remove_roots(proc.pid)
+            sandbox.remove_dead_roots()
         if not out.exists():
             tail = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
             row["failures"] = f"pytest exited {proc.returncode} before the points table: {tail[0][:200]}"
