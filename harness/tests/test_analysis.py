@@ -600,6 +600,16 @@ log = CommLog()
 with log:
     torch.tensor([torch.ones(()), torch.zeros(())])
 print("made from tensors ->", log.problems)
+import collections
+for kind in (collections.deque, collections.UserList):  # any sequence torch reads, a list's subclass too
+    log = CommLog()
+    with log:
+        torch.tensor(kind(torch.ones(2).unbind()))
+    print(f"made from a {kind.__name__} ->", log.problems)
+log = CommLog()
+with log:  # Python's numbers: what torch.tensor is for
+    torch.tensor([[1, 2.5], (True, 3)]), torch.tensor(range(3)), torch.as_tensor(torch.ones(2)), torch.tensor(2)
+print("made from numbers ->", log.problems)
 """
 
 
@@ -612,6 +622,9 @@ def test_collective_log_sees_reads_past_the_dispatcher():
         assert said.get(name) == "READ", said
     assert said["views"] == said["what describes it"] == "none", said
     assert "torch.tensor makes a tensor from tensors" in said["made from tensors"], said
+    assert "torch.tensor makes a tensor from a deque" in said["made from a deque"], said
+    assert "torch.tensor makes a tensor from a UserList" in said["made from a UserList"], said
+    assert said["made from numbers"] == "[]", said
 
 
 def test_collective_log_follows_an_output_that_moved():

@@ -446,6 +446,12 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
         "            torch.tensor([flat[0], flat[1]])\n")],
+    # ... or by torch.tensor from a sequence that is no list (a deque, whose items the log did not look into)
+    "read-all-gather-output-by-a-tensor-made-from-a-deque": [
+        ("import functools\n", "import collections\nimport functools\n"),
+        ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+         "            torch.tensor(collections.deque(flat[:2].unbind()))\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",

@@ -581,10 +581,11 @@ class _TorchCalls(TorchFunctionMode):
             return func(*args, **kwargs)
         if name in _FROM_DATA:
             data = kwargs.get("data", kwargs.get("obj", args[_FROM_DATA[name]] if len(args) > _FROM_DATA[name] else None))
-            if isinstance(data, (list, tuple)) and next(_tensors(data), None) is not None:
+            if not isinstance(data, torch.Tensor) and (made_from := _not_numbers(data)):
                 log.problems.append(
-                    f"step {log.step} ({_phase()}): torch.{name} makes a tensor from tensors, copying their values "
-                    "where the log cannot see them: copy tensors with clone(), torch.cat or torch.stack")
+                    f"step {log.step} ({_phase()}): torch.{name} makes a tensor from {made_from}, copying their values "
+                    "where the log cannot see them: give it Python numbers (in lists or tuples) or a tensor, and copy "
+                    "tensors with clone(), torch.cat or torch.stack")
         if not log.pending or name in _DESCRIBE_ONLY:
             return func(*args, **kwargs)
         # only tensors in the memory of a pending output (its storage's), each read at most once per call
@@ -600,6 +601,19 @@ class _TorchCalls(TorchFunctionMode):
             raise
         log.read_pending(given, what, [r for t in _tensors(out) if _followed(t) and (r := _extent(t))])  # unless a view
         return out
+
+
+_NUMBERS = (int, float, bool, complex)
+
+
+def _not_numbers(data) -> str | None:
+    """What in the data of torch.tensor and its kin is not Python's numbers in lists and tuples (of exactly those
+    types: torch reads any sequence, a subclass's items by its own __getitem__), or None: "tensors", or the class."""
+    if data is None or type(data) in _NUMBERS or type(data) is range:
+        return None
+    if type(data) not in (list, tuple, torch.Size):
+        return "tensors" if isinstance(data, torch.Tensor) else f"a {type(data).__qualname__}"
+    return next((found for item in data if (found := _not_numbers(item))), None)
 
 
 def _phase() -> str:
