@@ -323,6 +323,21 @@ def _guarded_build_class(func, name, *bases, **kwargs):
 _MADE: weakref.WeakSet = weakref.WeakSet()
 """every class a file under test made with a class statement or type()"""
 _LOOKUP_HOOKS = ("__get__", "__set__", "__delete__", "__getattr__", "__getattribute__")
+READ_AS_DATA = ("__iter__", "__next__", "__getitem__", "__len__", "__contains__", "__index__", "__int__", "__float__",
+                "__complex__", "__bool__")
+"""the methods by which torch reads an object handed to it as numbers or a sequence"""
+_READ_AS_DATA: weakref.WeakSet = weakref.WeakSet()
+"""the classes a file under test made that define one of READ_AS_DATA (or inherit it from another such)"""
+
+
+def read_as_data(obj) -> bool:
+    """Whether torch, handed `obj`, would run code of a file under test to read it (its class's READ_AS_DATA)."""
+    return type(obj) in _READ_AS_DATA
+
+
+def any_read_as_data() -> bool:
+    """Whether a file under test in this process made any class that torch would read by the file's code."""
+    return len(_READ_AS_DATA) > 0
 
 
 def _check_made(made, name: str) -> None:
@@ -334,6 +349,8 @@ def _check_made(made, name: str) -> None:
     if not isinstance(made, type):
         return
     _MADE.add(made)
+    if any(hook in vars(kind) for kind in made.__mro__ if kind in _MADE for hook in READ_AS_DATA):
+        _READ_AS_DATA.add(made)
     for key, value in vars(made).items():  # what its __slots__ made, read off the class itself
         if isinstance(value, types.MemberDescriptorType) and key[:2] == key[-2:] == "__":
             raise TypeError(f"class {name}: a class of a file under test has slots of plain names, not {key!r} (a slot "

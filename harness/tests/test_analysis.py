@@ -627,6 +627,38 @@ def test_collective_log_sees_reads_past_the_dispatcher():
     assert said["made from numbers"] == "[]", said
 
 
+FILE_READ_BY_TORCH = '''
+import os, sys, time, torch, torch.distributed as dist
+from pathlib import Path
+from harness import impl
+from harness.tools.grading.jobs import CommLog
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
+path = Path(sys.argv[1])
+path.write_text(
+    "import typing\\nimport torch\\n\\n\\nclass MixedPrecisionPolicy:\\n    pass\\n\\n\\ndef fully_shard(m):\\n"
+    "    return m\\n\\n\\nSEEN = []\\nOUT = []\\n\\n\\nclass Size(typing.NamedTuple):\\n    n: int\\n\\n"
+    "    def __iter__(self):\\n        SEEN.append(repr(OUT[0]))\\n        return iter([self.n])\\n\\n\\n"
+    "def poll(out):\\n    OUT.append(out)\\n    return torch.zeros(Size(2))\\n")
+module = impl.load(str(path))
+log = CommLog()
+with log:
+    out = torch.zeros(4, dtype=torch.int64)
+    work = dist.all_gather_into_tensor(out, torch.full((4,), 3), async_op=True)
+    module.poll(out)
+    work.wait()
+print("read ->", module.SEEN, log.problems)
+'''
+
+
+def test_collective_log_runs_no_code_of_the_file_in_its_own_walk(tmp_path):
+    """A file's NamedTuple whose `__iter__` reads a pending output (run by the log's walk of a call's arguments, or
+    by torch's, where the function mode is off) is never called by the log, and torch handed it is named."""
+    proc = on_one_gloo_rank(FILE_READ_BY_TORCH.replace("sys.argv[1]", repr(str(tmp_path / "read_by_torch.py"))))
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("read -> "))
+    assert line.startswith("read -> [] ") and "torch's zeros is handed a Size, which torch reads by the file's own" \
+        in line, line
+
+
 def test_collective_log_follows_an_output_that_moved():
     """A collective's output whose storage was resized in place (its bytes moved, which no op shows) is still its
     output: reading it before the wait is named there ([Note: a collective's result read before its wait])."""

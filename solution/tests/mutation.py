@@ -452,6 +452,15 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
          "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
          "            torch.tensor(collections.deque(flat[:2].unbind()))\n")],
+    # ... or by the file's own code run inside a call of torch's (a NamedTuple's __iter__, which a walk of the call's
+    # arguments would run where the function mode is off)
+    "read-all-gather-output-in-a-sequence-torch-reads": [
+        ("from typing import Any, Callable\n", "import typing\nfrom typing import Any, Callable\n"),
+        ("\ndef fully_shard(", "\nclass _Size(typing.NamedTuple):\n    n: int\n\n    def __iter__(self):\n"
+                               "        return iter([self.n])\n\n\ndef fully_shard("),
+        ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+         "            torch.zeros(_Size(1))\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
-from harness import assets, memory, memory_model, model_setup
+from harness import assets, impl, memory, memory_model, model_setup
 from harness.distributed import agree, current_device
 from harness.tools.grading import handwritten
 from harness.tools.grading.policy import config
@@ -84,16 +84,28 @@ _COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_d
 _MOVE_NOTHING = ("wait_tensor", "wait", "_wrap_tensor_autograd")
 
 
+def _leaves(value):
+    """What an op's arguments hold, through lists, tuples and dicts, and each of their subclasses' objects itself:
+    read by list's, tuple's and dict's own methods, never by a subclass's (a file's NamedTuple with an `__iter__`
+    would run its code where the log cannot see it)."""
+    if type(value) not in (list, tuple, dict) and isinstance(value, (list, tuple, dict)):
+        yield value
+    if isinstance(value, list):
+        for v in list.__iter__(value):
+            yield from _leaves(v)
+    elif isinstance(value, tuple):
+        for v in tuple.__iter__(value):
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in dict.values(value):
+            yield from _leaves(v)
+    else:
+        yield value
+
+
 def _tensors(value):
     """The tensors in an op's arguments (lists, tuples and dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+    return (v for v in _leaves(value) if isinstance(v, torch.Tensor))
 
 
 def group_ranks(func, args) -> tuple[int, ...] | None:
@@ -554,9 +566,12 @@ def _sets_every_element(func, args, kwargs) -> bool:
 # dispatcher's Python key off). So beside its dispatch mode the log holds a function mode, which sees every call of
 # torch's API with its arguments as given. While an asynchronous collective is pending, a call handed a tensor over
 # its output reads it, unless it only describes it (_DESCRIBE_ONLY: its size, its address) or what it returns is a
-# view of it (a split, an index, a detach); the ops the call dispatches are judged as ever. And a tensor made from
-# tensors by torch.tensor and its kin is refused outright: their values are copied where the data verdict cannot
-# label them (clone(), torch.cat and torch.stack copy where it can).
+# view of it (a split, an index, a detach); the ops the call dispatches are judged as ever. A tensor made by
+# torch.tensor and its kin from anything but Python's numbers in lists and tuples (tensors, a deque of them) is
+# refused outright: their values are copied where the data verdict cannot label them (clone(), torch.cat and
+# torch.stack copy where it can). The mode runs none of the file's code (torch runs the mode's handler with the
+# mode off): it walks a call's arguments by list's, tuple's and dict's own methods, and a call handed an object that
+# torch reads by the file's methods (a NamedTuple of the file's with an `__iter__`: impl.READ_AS_DATA) is refused.
 _DESCRIBE_ONLY = frozenset({
     "__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "data_ptr",
     "untyped_storage", "is_contiguous", "element_size", "__len__", "__hash__", "register_hook", "requires_grad_",
@@ -579,6 +594,11 @@ class _TorchCalls(TorchFunctionMode):
         log, name = self.log, getattr(func, "__name__", "")
         if log.problems:
             return func(*args, **kwargs)
+        if impl.any_read_as_data() and (mine := next((v for v in _leaves((args, kwargs)) if impl.read_as_data(v)), None)):
+            log.problems.append(
+                f"step {log.step} ({_phase()}): torch's {name} is handed a {type(mine).__qualname__}, which torch reads by "
+                "the file's own methods (its __iter__, __getitem__, __index__...), run where the log cannot see them: "
+                "hand torch numbers, lists, tuples and tensors (list(x), int(x))")
         if name in _FROM_DATA:
             data = kwargs.get("data", kwargs.get("obj", args[_FROM_DATA[name]] if len(args) > _FROM_DATA[name] else None))
             if not isinstance(data, torch.Tensor) and (made_from := _not_numbers(data)):
@@ -673,8 +693,6 @@ class CommLog(TorchDispatchMode):
         routes = {f"Work.{name}": waiting(name) for name in WORK_WAITS if name != "is_completed"}
         if self.sources is not None:
             routes["UntypedStorage.resize_"] = self.sources.resizing(current("UntypedStorage.resize_"))
-        from harness import impl
-
         with contextlib.ExitStack() as entered:
             entered.enter_context(routed(routes))
             # not in a rank that trains FSDP2 only: torch's own code there needs no such eye, and the function mode
