@@ -610,6 +610,19 @@ log = CommLog()
 with log:  # Python's numbers: what torch.tensor is for
     torch.tensor([[1, 2.5], (True, 3)]), torch.tensor(range(3)), torch.as_tensor(torch.ones(2)), torch.tensor(2)
 print("made from numbers ->", log.problems)
+import gc
+seen = []
+
+
+class Size:  # code torch runs inside a call (not a file's: no refusal), as a collection's finalizer would be run
+    def __index__(self):
+        seen.append(gc.isenabled())
+        return 2
+
+
+with CommLog():
+    torch.zeros(Size())
+print("collecting inside a call ->", seen[-1], gc.isenabled())  # the last: torch's, inside the mode's handler
 """
 
 
@@ -625,6 +638,7 @@ def test_collective_log_sees_reads_past_the_dispatcher():
     assert "torch.tensor makes a tensor from a deque" in said["made from a deque"], said
     assert "torch.tensor makes a tensor from a UserList" in said["made from a UserList"], said
     assert said["made from numbers"] == "[]", said
+    assert said["collecting inside a call"] == "False True", said  # off inside, on again after
 
 
 FILE_READ_BY_TORCH = '''

@@ -590,7 +590,18 @@ class _TorchCalls(TorchFunctionMode):
         self.log = log
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # No garbage collection meanwhile, as in the log's dispatch: the mode is off while it handles a call, and a
+        # collection would run the file's weakref callbacks and finalizers here, their calls unseen.
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
+            return self._judged(func, args, kwargs or {})
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _judged(self, func, args, kwargs):
         log, name = self.log, getattr(func, "__name__", "")
         if log.problems:
             return func(*args, **kwargs)
