@@ -122,6 +122,7 @@ class Private:
             from harness.impl import ROOT
 
             reachable()
+            made_closed(ROOT / PYTEST_CACHE)
             hide(*hidden(ROOT))
             # what gradings no longer running left (killed: none of their pools closed), before this one's file is
             # staged: their processes (no live rank of an open pool's) and their folders
@@ -294,8 +295,8 @@ def hidden(root: Path) -> tuple[Path, ...]:
     folder (the environment, the store). Read once per process (every sandboxed pool's start closes them)."""
     import ast
 
-    found = [root / ".git", *[p for p in (root / "solution" / "tests" / "mutation.py", root / ".pytest_cache")
-                              if p.exists()]]
+    found = [root / ".git", root / PYTEST_CACHE, *[p for p in (root / "solution" / "tests" / "mutation.py",)
+                                                   if p.exists()]]
     for folder, folders, files in os.walk(root):
         folders[:] = [f for f in folders if not f.startswith(".") and f not in ("__pycache__", "harness")]
         for name in files:
@@ -309,6 +310,22 @@ def hidden(root: Path) -> tuple[Path, ...]:
             if any(isinstance(n, ast.FunctionDef) and n.name == "fully_shard" for n in tree.body):
                 found.append(path)
     return tuple(found)
+
+
+PYTEST_CACHE = ".pytest_cache"
+"""pytest's cache folder at the repository's root: made by the first run that writes to it, which may come after a
+pool's start (a fresh clone holds none), so the pool makes it first, closed (`made_closed`)"""
+
+
+def made_closed(folder: Path) -> None:
+    """Make `folder` where it is missing, closed to other users from the start: what a later process writes in it
+    (pytest writes in a cache folder that exists as it finds it) no file under test reads."""
+    try:
+        folder.mkdir(mode=0o750)
+    except FileExistsError:
+        pass
+    except OSError as e:  # a read-only checkout: whoever grades here cannot make it either
+        print(f"sandbox: could not make {folder} ({e.strerror})", file=sys.stderr, flush=True)
 
 
 def hide(*paths: Path) -> None:
@@ -572,7 +589,8 @@ def _signal_every(uid: int, gid: int, sig: int) -> bool:
 # the sandbox user only once it is written. The pool holds a lock on its file while it is open, which the kernel
 # lets go when the grading dies however it dies: a file whose lock can be taken is a dead grading's, its ranks
 # leftovers. The same lock on a pool's private folder says whether its grading still runs (remove_dead_roots).
-# Where no such folder can be made (not root, a read-only /run), the sweep falls back to this process's own pools
+# Where no such folder can be made (not root, a read-only /run), or where a rank's start cannot be read (under
+# FSDP_PLATFORM=darwin, harness/compat.py: macOS has no /proc), the sweep falls back to this process's own pools
 # (LIVE_RANKS): what descends from this process and is no live rank of it, what lost its parent, goes. Every
 # grading on a machine runs one version of this protocol: the ranks of a grading that writes no locked file are
 # leftovers to every other's sweep.
@@ -592,6 +610,8 @@ def _started(pid: int) -> str | None:
 
 def _registry() -> Path | None:
     """The folder of live ranks, root's own (made when missing), or None where it cannot be."""
+    if compat.simulated():
+        return None
     try:
         REGISTRY.mkdir(mode=0o700, exist_ok=True)
         info = os.lstat(REGISTRY)
