@@ -119,7 +119,8 @@ def _guarded(builtin, own: str):
     not_instances = (type, ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                      types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
                      types.ClassMethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType,
-                     property, staticmethod, classmethod)
+                     property, staticmethod, classmethod, types.FrameType, types.TracebackType, types.CodeType,
+                     types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType, types.CellType)
 
     def refused(obj, name, why: str) -> TypeError:  # the call as the file wrote it, only when refused
         shown = obj if isinstance(obj, not_instances) else type(obj).__name__
@@ -302,8 +303,11 @@ def _checked_dataclass(real):
 
     def dataclass(cls=None, /, **kwargs):
         if cls is None:
-            return lambda c: real(checked(c), **kwargs)
-        return real(checked(cls), **kwargs)
+            return lambda c: dataclass(c, **kwargs)
+        made = real(checked(cls), **kwargs)
+        if made is not cls:  # slots=True: a class dataclass made anew, past the guard of class statements
+            _check_made(made, made.__qualname__)
+        return made
 
     dataclass.__name__ = dataclass.__qualname__ = "dataclass"
     dataclass.__doc__ = real.__doc__
@@ -549,13 +553,18 @@ class _GuardStores(ast.NodeTransformer):
         return self.generic_visit(node)
 
     def visit_Delete(self, node: ast.Delete):
+        """`del a.b, (c.d, e)` -> one statement per target, in Python's order, each attribute's through the guard."""
         self.generic_visit(node)
-        out: list[ast.stmt] = []
-        rest = [t for t in node.targets if not isinstance(t, ast.Attribute)]
-        for t in node.targets:
-            if isinstance(t, ast.Attribute):
-                out.append(ast.copy_location(self.call(_DELETE, t.value, ast.Constant(t.attr)), node))
-        return ([ast.copy_location(ast.Delete(rest), node)] if rest else []) + out
+
+        def leaves(target: ast.expr):
+            if isinstance(target, (ast.Tuple, ast.List)):
+                for t in target.elts:
+                    yield from leaves(t)
+            else:
+                yield target
+
+        return [ast.copy_location(self.call(_DELETE, t.value, ast.Constant(t.attr)) if isinstance(t, ast.Attribute)
+                                  else ast.Delete([t]), node) for target in node.targets for t in leaves(target)]
 
 
 _INPLACE = {ast.Add: "iadd", ast.Sub: "isub", ast.Mult: "imul", ast.MatMult: "imatmul", ast.Div: "itruediv",

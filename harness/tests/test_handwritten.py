@@ -631,12 +631,19 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
     with pytest.raises(TypeError, match="never torch's or Python's classes"):
         impl.load(str(deleted))
     assert torch.Tensor.add_ is not None
+    tupled = tmp_path / "tupled.py"  # a delete whose targets are in a tuple or a list: each through the guard
+    tupled.write_text(head + "for c in (nn.Linear(1, 1).__class__,):\n    del (c.call_super_init, [c.reset_parameters])\n")
+    assert handwritten.static_problem(tupled) is None
+    with pytest.raises(TypeError, match="never torch's or Python's classes"):
+        impl.load(str(tupled))
+    assert "reset_parameters" in vars(torch.nn.Linear) and "call_super_init" in vars(torch.nn.Module)
     honest = tmp_path / "honest.py"
     honest.write_text(head + "class Mine:\n    pass\n\n\nm, mine = nn.Linear(2, 2), Mine()\n"
                              "for name in ('weight', 'extra'):\n    setattr(m, name, nn.Parameter(torch.zeros(2, 2)))\n"
                              "    setattr(mine, name, 1)\n")
     honest.write_text(honest.read_text() + "mine.count = 1\nmine.count += 2\nm.weight.data += 1\n"
-                                           "mine.a, (mine.b, m.c) = 1, (2, 3)\ndel mine.a\n")
+                                           "mine.a, (mine.b, m.c) = 1, (2, 3)\ndel mine.a\n"
+                                           "mine.x, mine.y, z = 1, 2, 3\ndel (mine.x, [mine.y, z])\n")
     renamed = tmp_path / "renamed.py"  # an autograd ctx's class names its backward node in the profiler
     renamed.write_text(head + "class F(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x):\n"
                               "        ctx.__class__ = MixedPrecisionPolicy\n        return x * 2\n\n"
@@ -664,6 +671,7 @@ def test_loader_gives_the_file_a_setattr_that_keeps_off_torch(tmp_path):
     module = impl.load(str(honest))
     assert module.m.extra.shape == (2, 2) and module.mine.extra == 1 and module.mine.count == 3
     assert (module.m.weight == 1).all() and module.mine.b == 2 and module.m.c == 3 and not hasattr(module.mine, "a")
+    assert not hasattr(module.mine, "x") and not hasattr(module.mine, "y") and not hasattr(module, "z")
 
 
 def test_loader_gives_the_file_a_dataclass_of_plain_fields(tmp_path):

@@ -461,6 +461,13 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
          "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
          "            torch.zeros(_Size(1))\n")],
+    # ... or in a class dataclass made anew (slots=True), past the guard of class statements that marks such classes
+    "read-all-gather-output-in-a-slots-dataclass-torch-reads": [
+        ("\ndef fully_shard(", "\n@dataclass(slots=True)\nclass _Size:\n    n: int\n\n"
+                               "    def __index__(self):\n        return self.n\n\n\ndef fully_shard("),
+        ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+         "            torch.zeros(_Size(1))\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
@@ -1210,6 +1217,19 @@ SOURCE_REFUSALS.update({
     'module-slot-named-as-a-dunder': 'gives `__slots__` as `(U + \'class\' + U,)`',
     'all-gather-polled-by-a-packed-sequence': 'uses `rnn_tanh`',
     'all-gather-polled-by-tensordot': 'uses `tensordot`',
+})
+SOURCE_CHEATS.update({
+    # round 38's: torch's module handed out as a value by AttributeError.obj, and a submodule torch imports only when
+    # first read (torch._dynamo, whose imports reach exec), named as the file's own on a value the check cannot follow
+    'torch-module-taken-from-an-attribute-error': 'import torch\n\n\ndef module():\n    try:\n'
+                                                  '        return torch.nn.functional.append\n'
+                                                  '    except AttributeError as e:\n        return e.obj\n',
+    'lazy-submodule-named-as-the-files-own': 'def names(_dynamo):\n    return _dynamo\n\n\n'
+                                             'def reach(m):\n    return m._dynamo.eval_frame\n',
+})
+SOURCE_REFUSALS.update({
+    'torch-module-taken-from-an-attribute-error': 'uses `obj`',
+    'lazy-submodule-named-as-the-files-own': 'uses `._dynamo`, which is the module torch._dynamo there',
 })
 CHEATS.update(SOURCE_CHEATS)
 

@@ -9,8 +9,10 @@ tests skip (a student's own run has nothing of anyone else's to protect)."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
+import py_compile
 import pickle
 import signal
 import stat
@@ -200,6 +202,38 @@ def plant_ipc_job(key: int, path: str) -> int:
     return libc.shmget(key, 1 << 20, 0o1000 | 0o666)  # IPC_CREAT
 
 
+def plant_kernel_objects_job(key: int, name: str) -> list[int]:
+    """Leaves what is no file and no process (rank 0): a System V segment handed to root (IPC_SET: its creator keeps
+    the owner's rights), a POSIX message queue, a key in the user keyring; their ids (each >= 0: made)."""
+    import ctypes
+    import platform
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if os.environ["RANK"] != "0":
+        return []
+    shmid = libc.shmget(key, 1 << 20, 0o1000 | 0o600)  # IPC_CREAT
+    perm = ctypes.create_string_buffer(512)
+    handed = libc.shmctl(shmid, 2, perm)  # IPC_STAT
+    struct.pack_into("I", perm, 4, 0)  # ipc_perm.uid (after the key): root
+    handed = min(handed, libc.shmctl(shmid, 1, perm))  # IPC_SET
+    queue = libc.mq_open(name.encode(), os.O_CREAT | os.O_RDWR, 0o600, None)
+    add_key = {"x86_64": 248, "aarch64": 217}[platform.machine()]
+    key_id = libc.syscall(ctypes.c_long(add_key), b"user", name.encode(), b"left", ctypes.c_long(4),
+                          ctypes.c_long(-4))  # KEY_SPEC_USER_KEYRING
+    return [shmid, handed, queue, key_id]
+
+
+def find_kernel_objects_job(key: int, name: str) -> list[bool]:
+    """Whether a rank finds each of `plant_kernel_objects_job`'s objects."""
+    import ctypes
+    import platform
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    search = ctypes.c_long(sandbox.KEYCTL[platform.machine()])
+    return [libc.shmget(key, 0, 0) >= 0, libc.mq_open(name.encode(), os.O_RDONLY) >= 0,
+            libc.syscall(search, ctypes.c_long(10), ctypes.c_long(-4), b"user", name.encode(), ctypes.c_long(0)) >= 0]
+
+
 def process_limit_job() -> list[int]:
     import resource
 
@@ -321,6 +355,28 @@ def test_sandboxed_environment_keeps_only_the_runs_settings(tmp_path):
 
 
 @as_root
+def test_no_rank_starts_with_the_graders_credentials():
+    """[Note: what a rank starts with]: a variable of the grader's that a run does not need is in no rank's initial
+    environment (which clearing os.environ leaves on its stack), nor the forkserver's; PATH is (the control)."""
+    code = """
+from pathlib import Path
+import psutil
+from harness.tools.grading.ranks import RankPool
+from solution.tests.test_boundary import pid_job
+with RankPool(1, role="sandboxed") as pool:
+    rank = pool.run(pid_job, timeout=60)[0]
+    for pid in (rank, psutil.Process(rank).ppid()):
+        block = Path(f"/proc/{pid}/environ").read_bytes().split(bytes(1))
+        print(pid, any(v.startswith(b"GRADER_TOKEN=") for v in block), any(v.startswith(b"PATH=") for v in block))
+"""
+    env = {**os.environ, "GRADER_TOKEN": "secret"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0 and len(lines) == 2, proc.stdout + proc.stderr[-3000:]
+    assert [line[1:] for line in lines] == [["False", "True"]] * 2, lines
+
+
+@as_root
 def test_sandboxed_ranks_run_unprivileged(ranks, tmp_path):
     private = tmp_path / "points.json"
     private.write_text("{}")
@@ -341,12 +397,12 @@ def test_sandboxed_ranks_run_unprivileged(ranks, tmp_path):
 
 @as_root
 def test_sandboxed_ranks_cannot_reach_the_graders_loopback(ranks):
-    """[Note: a network of the pool's own]: a port the grader listens on (as the trusted pool's TCPStore
+    """[Note: namespaces of the pool's own]: a port the grader listens on (as the trusted pool's TCPStore
     and gloo do) is out of reach of the ranks under test, which still reach each other (the job's
     process group works); a pool without the boundary reaches it (the control)."""
     import socket
 
-    if ranks.sandboxed.private.network is None:
+    if ranks.sandboxed.private.namespaces is None:
         pytest.skip("network namespaces are not allowed on this machine (the stderr line says why)")
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
@@ -375,6 +431,17 @@ def test_a_folder_closed_between_jobs_is_passable_again(ranks):
         assert ROOT.stat().st_mode & 0o001, "the repository was not made passable again"
     finally:
         os.chmod(ROOT, mode & 0o7777)
+
+
+def probe_job(root: str) -> list[str]:
+    """What a rank finds in another pool's folder, knowing its name only (as whoever lists /tmp does)."""
+    found = []
+    for path in (root, *(f"{root}/{sub}" for sub in ("impl", "home", "tmp", "out"))):
+        try:
+            found.append(f"{path}: {sorted(os.listdir(path))}")
+        except OSError as e:
+            found.append(type(e).__name__)
+    return found
 
 
 def read_error_job(paths: list[str]) -> list[str]:
@@ -410,10 +477,23 @@ def test_what_a_rank_wrote_comes_back_within_bounds(tmp_path, monkeypatch):
 
 
 @as_root
+def test_a_pool_cannot_find_what_another_pool_staged(ranks):
+    """Two gradings at once run as the same user: the ranks of one, knowing the other pool's folder (anyone lists
+    /tmp), can list nothing in it, so they find neither its file under test nor its home (their names are the
+    grader's secret); the pool's own staged file is read (the control)."""
+    checks.check_forward(ranks, str(SOLUTION), "float32", "float32")  # a file staged in the open pool
+    other = ranks.sandboxed.private
+    assert list(other.impl.rglob("*.py")), "no file staged"
+    with RankPool(1, role="sandboxed") as pool:
+        found = pool.run(probe_job, str(other.root), timeout=60)[0]
+    assert found == ["PermissionError"] + ["FileNotFoundError"] * 4, found
+
+
+@as_root
 def test_what_only_instructors_read_is_closed_to_a_submission(tmp_path):
     """In the instructors' checkout (where `grade` runs as root) a rank under test cannot read the reference, the
-    second solution, the mutants (snippets of the reference) or the history that holds them; nor the folder of the
-    other submissions (`grade` closes it)."""
+    second solution, the mutants (snippets of the reference), the bytecode compiled of them or the history that holds
+    them; nor the folder of the other submissions (`grade` closes it)."""
     hidden = list(sandbox.hidden(ROOT))
     assert SOLUTION in hidden and ROOT / "solution" / "tests" / "variant_fsdp.py" in hidden, hidden
     assert ROOT / "solution" / "tests" / "mutation.py" in hidden, hidden
@@ -424,6 +504,14 @@ def test_what_only_instructors_read_is_closed_to_a_submission(tmp_path):
     for path in hidden:  # as a fresh clone has them: the pool's start closes them
         if path.exists():
             os.chmod(path, path.stat().st_mode & 0o7777 | (0o005 if path.is_dir() else 0o004))
+    # bytecode compiled of them while they were open (a run that imported them first): the whole module
+    sources = (SOLUTION, ROOT / "solution" / "tests" / "mutation.py")
+    compiled = [Path(importlib.util.cache_from_source(str(source))) for source in sources]
+    for source, pyc in zip(sources, compiled):
+        py_compile.compile(str(source), cfile=str(pyc), doraise=True)
+        assert pyc.stat().st_mode & 0o004, oct(pyc.stat().st_mode)
+    hidden = list(sandbox.hidden(ROOT))
+    assert all(pyc in hidden for pyc in compiled), hidden
     batch = tmp_path / "batch"
     batch.mkdir()
     (batch / "other.py").write_text("x = 1\n")
@@ -608,6 +696,36 @@ def test_what_is_no_file_or_lies_in_run_lock_is_removed_too():
     assert not path.exists(), "the file in /run/lock outlived its pool"
 
 
+@as_root
+@pytest.mark.parametrize("namespaces", ["the pool's own", "the machine's"])
+def test_what_is_no_file_and_no_process_reaches_no_later_pool(namespaces, monkeypatch):
+    """[Note: namespaces of the pool's own]: a System V segment handed to root, a POSIX message queue and a key in
+    the user keyring that a rank left reach no rank of a later pool; in the machine's IPC namespace (where a pool
+    gets none of its own) the sweep removes the segment and the key (a queue there, only where /dev/mqueue is
+    mounted to list it)."""
+    import platform
+
+    if platform.machine() not in sandbox.KEYCTL:
+        pytest.skip(f"keyctl's number on {platform.machine()} is not known here")
+    if namespaces == "the machine's":
+        monkeypatch.setattr(sandbox.Namespaces, "start", classmethod(lambda cls, root: None))
+    key, name = 0x7E000000 | (os.getpid() & 0xFFFF), f"/fsdp-left-{uuid.uuid4().hex[:12]}"
+    with RankPool(1, role="sandboxed") as pool:
+        if namespaces == "the pool's own" and pool.private.namespaces is None:
+            pytest.skip("namespaces are not allowed on this machine (the stderr line says why)")
+        planted = pool.run(plant_kernel_objects_job, key, name, timeout=60)[0]
+        assert min(planted) >= 0, planted
+        assert pool.run(find_kernel_objects_job, key, name, timeout=60)[0] == [True] * 3  # the control
+    with RankPool(1, role="sandboxed") as pool:
+        found = pool.run(find_kernel_objects_job, key, name, timeout=60)[0]
+    if namespaces == "the machine's" and not Path("/dev/mqueue").is_dir():
+        import ctypes
+
+        ctypes.CDLL(None).mq_unlink(name.encode())  # (root removes the test's queue)
+        found[1] = False
+    assert found == [False] * 3, f"a later pool's rank found the segment, queue, key: {found}"
+
+
 def test_a_pool_that_cannot_start_leaves_nothing(monkeypatch):
     """A rank that fails to start (out of processes, say) takes the ranks already started, the pool's
     private folder and its network holder with it."""
@@ -628,7 +746,7 @@ def test_a_pool_that_cannot_start_leaves_nothing(monkeypatch):
         RankPool(2, role="sandboxed")
     assert started and not started[0].is_alive(), "the rank that started outlived the pool"
     assert roots() == before, "the pool's private folder was left"
-    assert not sandbox.Network._holders, "the pool's network holder was left"
+    assert not sandbox.Namespaces._holders, "the pool's namespace holder was left"
 
 
 # --------------------------------------------------------------------------- the boundary mutants

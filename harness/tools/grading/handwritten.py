@@ -129,6 +129,9 @@ ADVICE = {
                      "CUDAPluggableAllocator", "change_current_allocator", "breakpoint"), _CODE),
     **dict.fromkeys(("globals", "locals", "vars", "_getframe", "currentframe", "gc", "ctypes", "inspect", "mro"),
                     _ARGS),
+    # AttributeError's: the object a lookup failed on, whatever it is (torch's module, handed out as a value)
+    "obj": "it is the object a failed lookup was made on (a module of torch's, say): read the exception's message "
+           "(str(e)), and name your own attribute otherwise",
     **dict.fromkeys(("init_process_group", "destroy_process_group", "abort_process_group", "new_group", "rendezvous", "ProcessGroupGloo", "ProcessGroupNCCL",
                      "ProcessGroupMPI", "ProcessGroupUCC", "ProcessGroupXCCL", "FakeProcessGroup",
                      "ProcessGroupWrapper", "get_group_store", "Store"),
@@ -408,11 +411,25 @@ class _Names:
     searched: frozenset[str]    # the modules whose attributes were searched for modules
 
     def submodules(self) -> dict[str, str]:
-        """The submodules of the searched modules imported since (torch.distributed.checkpoint,
-        once train.py loaded it), by the attribute name that reaches them."""
+        """The submodules of the searched modules, by the attribute name that reaches them: those on disk, imported or
+        not (torch._dynamo, which torch imports when the attribute is first read; the check reads the same names
+        whatever the checking process imported), and those imported since from elsewhere."""
         allowed = SUBMODULE_ATTRS | SHADOWED_MODULE_ATTRS
-        return {name: full for full in list(sys.modules) if "." in full
-                for parent, name in [full.rsplit(".", 1)] if parent in self.searched and name not in allowed}
+        imported = {name: full for full in list(sys.modules) if "." in full
+                    for parent, name in [full.rsplit(".", 1)] if parent in self.searched and name not in allowed}
+        return {**_on_disk(self.searched, self.api), **imported}
+
+
+@functools.cache
+def _on_disk(searched: frozenset[str], api: frozenset[str]) -> dict[str, str]:
+    """name -> module of every submodule in the folders of the searched packages (listed, never imported), but those
+    reached by an allowed attribute and those named as the API (logging's `debug`: refused once imported, as before)."""
+    import pkgutil
+
+    allowed = SUBMODULE_ATTRS | SHADOWED_MODULE_ATTRS | api
+    return {info.name: f"{parent}.{info.name}" for parent in sorted(searched)
+            if (path := getattr(sys.modules.get(parent), "__path__", None)) is not None
+            for info in pkgutil.iter_modules(path) if info.name not in allowed}
 
 
 @functools.cache

@@ -39,9 +39,9 @@ The trust boundary: a pool has one role, for its whole life.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
+import secrets
 import time
 import traceback
 from collections.abc import Callable
@@ -74,8 +74,11 @@ def start_forkserver() -> None:
     the caller goes on (pytest collecting, say), and the first RankPool forks from it at once."""
     from multiprocessing import forkserver
 
+    from harness.tools.grading import sandbox
+
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    with sandbox.launching():  # [Note: what a rank starts with]
+        forkserver.ensure_running()
 
 
 def rank_threads(world_size: int) -> int:
@@ -199,6 +202,7 @@ class RankPool:
         self.threads = threads = rank_threads(world_size)
         self._jobs = 0
         self.private = None
+        self._staged_as: dict[Path, str] = {}  # a file under test -> its folder in the pool's impl/
         if role == "sandboxed":
             from harness import assets
             from harness.tools.grading import sandbox
@@ -211,11 +215,14 @@ class RankPool:
             self._conns = [ours for ours, _ in pipes]
             port = free_port()
             try:
-                for r, (_, theirs) in enumerate(pipes):
-                    p = ctx.Process(target=_worker, args=(role, r, world_size, port, device, threads, theirs,
-                                                          self.private), daemon=True, name=f"rank{r}")
-                    p.start()
-                    self._procs.append(p)  # only a started process: close() joins each
+                from harness.tools.grading import sandbox
+
+                with sandbox.launching():  # the forkserver too, if this starts it: [Note: what a rank starts with]
+                    for r, (_, theirs) in enumerate(pipes):
+                        p = ctx.Process(target=_worker, args=(role, r, world_size, port, device, threads, theirs,
+                                                              self.private), daemon=True, name=f"rank{r}")
+                        p.start()
+                        self._procs.append(p)  # only a started process: close() joins each
             finally:
                 for _, theirs in pipes:
                     theirs.close()
@@ -283,7 +290,8 @@ class RankPool:
 
         def file(name: str) -> str:
             path = impl.impl_path(name)
-            inside = self.private.impl / hashlib.sha256(str(path).encode()).hexdigest()[:12] / path.name
+            # under a name no other grading finds, the same for each job of the pool (a rank imports it once)
+            inside = self.private.impl / self._staged_as.setdefault(path, secrets.token_hex(16)) / path.name
             inside.parent.mkdir(mode=0o755, exist_ok=True)
             shutil.copyfile(path, inside)
             if self.private.uid is not None:  # the sandbox user's group reads it, no other user of the machine

@@ -17,6 +17,7 @@ there is nothing of anyone else's to protect.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -52,6 +53,12 @@ the run's settings, never a credential or a path into the grader's own files"""
 KEPT_PREFIXES = ("LC_", "CUDA_VISIBLE", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "KINETO_")
 
 
+LAUNCH_KEPT = frozenset({"HOME", "USER", "LOGNAME", "TMPDIR", "LD_LIBRARY_PATH", "VIRTUAL_ENV"})
+LAUNCH_PREFIXES = ("PYTHON", "XDG_", "HF_", "TORCHINDUCTOR_", "TRITON_", "FSDP")
+"""what else of the grader's environment a rank starts with (LAUNCH_KEPT, LAUNCH_PREFIXES, with KEPT and
+KEPT_PREFIXES): where things are, for the trusted ranks, which the forkserver also starts; never a credential"""
+
+
 class SandboxError(RuntimeError):
     """Root cannot run a file under test as the unprivileged user; the text says how to fix it."""
 
@@ -84,36 +91,40 @@ def account() -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Private:
-    """A sandboxed pool's own folder. Its root, out/ and impl/ are the grader's (passable, not listable
-    by the sandbox user: nothing in them can be renamed or replaced by a link under the grader's
-    writes); home/ (HOME) and tmp/ (TMPDIR) are the sandbox user's. out/ holds one folder per output of
-    a run, under a name no one else knows, handed to the sandbox user; impl/ the file under test."""
+    """A sandboxed pool's own folder. Its root, the folder in it named by `token` and that one's out/ and impl/ are
+    the grader's (passable, not listable by the sandbox user: nothing in them can be renamed or replaced by a link
+    under the grader's writes); home/ (HOME) and tmp/ (TMPDIR) are the sandbox user's. out/ holds one folder per
+    output of a run, under a name no one else knows, handed to the sandbox user; impl/ the file under test, in a
+    folder so named too. The root's name is seen by anyone who lists the temporary folder, the token's by no one
+    but the grader and the pool's ranks: the ranks of another grading on the machine, run as the same user, can
+    neither read what is staged here nor write in its home."""
 
     root: Path
     uid: int | None
     gid: int | None
-    network: int | None = None
-    """pid of the process holding this pool's network namespace (`Network`), which its ranks join;
+    namespaces: int | None = None
+    """pid of the process holding this pool's network and IPC namespaces (`Namespaces`), which its ranks join;
     None: they share the machine's (not root, or namespaces not allowed here)"""
     lock: int | None = None
     """descriptor holding the lock on root/.lock while the pool is open ([Note: which processes of the sandbox
     user are live ranks]); None when not root"""
+    token: str = ""
 
     @property
     def home(self) -> Path:
-        return self.root / "home"
+        return self.root / self.token / "home"
 
     @property
     def tmp(self) -> Path:
-        return self.root / "tmp"
+        return self.root / self.token / "tmp"
 
     @property
     def out(self) -> Path:
-        return self.root / "out"
+        return self.root / self.token / "out"
 
     @property
     def impl(self) -> Path:
-        return self.root / "impl"
+        return self.root / self.token / "impl"
 
     @classmethod
     def make(cls) -> Private:
@@ -130,23 +141,25 @@ class Private:
             sweep_files()
             remove_dead_roots()
         root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))  # whose: see `remove_dead_roots`
-        lock = None
+        lock, token = None, secrets.token_hex(16)
         try:
             if uid is not None:  # held while the pool is open: a later pool removes the folder once it is not
                 lock = _locked(root / ".lock")
-            for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o755)):
-                (root / sub).mkdir()
-                os.chmod(root / sub, mode)
+            (root / token).mkdir(mode=0o711)
+            for sub, mode in (("home", 0o700), ("tmp", 0o700), ("out", 0o711), ("impl", 0o711)):
+                (root / token / sub).mkdir()
+                os.chmod(root / token / sub, mode)
                 if uid is not None and sub in ("home", "tmp"):
-                    os.chown(root / sub, uid, gid)
+                    os.chown(root / token / sub, uid, gid)
+            os.chmod(root / token, 0o711)
             os.chmod(root, 0o711)
-            network = Network.start(root) if uid is not None and not compat.simulated() else None
+            namespaces = Namespaces.start(root) if uid is not None and not compat.simulated() else None
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             if lock is not None:
                 os.close(lock)
             raise
-        return cls(root, uid, gid, network, lock)
+        return cls(root, uid, gid, namespaces, lock, token)
 
     def output(self, name: str, src: Path | None) -> Path:
         """A new folder in out/ for one output of a run, holding a copy of `src`'s files (the grader's,
@@ -161,7 +174,7 @@ class Private:
         return folder
 
     def remove(self) -> None:
-        Network.stop(self.root)
+        Namespaces.stop(self.root)
         shutil.rmtree(self.root, ignore_errors=True)  # never follows a link the sandbox left in it
         if self.lock is not None:
             os.close(self.lock)
@@ -197,42 +210,48 @@ def remove_dead_roots() -> list[str]:
     return removed
 
 
-# [Note: a network of the pool's own]
+# [Note: namespaces of the pool's own]
 # The ranks of one sandboxed pool talk to each other over TCP on 127.0.0.1 (their TCPStore and gloo).
 # On the machine's own loopback they could equally reach the trusted pool's store and gloo ports, which
 # take no password: a rank under test could join the trusted ranks' rendezvous (every new process group
 # FSDP2's mesh makes goes through it) and feed FSDP2's collectives its own bytes, which the FSDP2 store
 # would then hand every later submission. So a sandboxed pool gets a network namespace of its own that
-# holds only a loopback: a small process (root's, started here) unshares it and waits; each rank joins
-# it (setns, while still root) before it drops to the sandbox user, so its 127.0.0.1 is the pool's alone.
-# Where namespaces are not allowed (a container without CAP_SYS_ADMIN), one line on stderr says so and
-# the ranks keep the machine's loopback; docs/grading.md says what that leaves open. Under FSDP_PLATFORM=darwin
-# (harness/compat.py) there is none either: macOS has no network namespaces, and its ranks no /proc to join one.
+# holds only a loopback. It gets an IPC namespace of its own too: System V shared memory, message queues and
+# semaphores and POSIX message queues are no files and no processes, and outlive both (a segment handed to
+# another owner by IPC_SET, a queue where no /dev/mqueue is mounted to list it); in a namespace of the pool's
+# own they reach no later submission, and go with the namespace once its last process is gone (the pool's
+# close kills every one). A small process (root's, started here) unshares both and waits; each rank joins
+# them (setns, while still root) before it drops to the sandbox user. Where namespaces are not allowed (a
+# container without CAP_SYS_ADMIN), one line on stderr says so and the ranks keep the machine's loopback and
+# IPC (`sweep_files` removes what System V objects the sandbox user made or owns); docs/grading.md says what that
+# leaves open. Under FSDP_PLATFORM=darwin (harness/compat.py) there are none either: macOS has no such
+# namespaces, and its ranks no /proc to join one.
+NAMESPACES = {"net": 0x40000000, "ipc": 0x08000000}  # CLONE_NEWNET, CLONE_NEWIPC
 
-_NETWORK_HOLDER = r"""
+_NAMESPACE_HOLDER = r"""
 import ctypes, fcntl, socket, struct, sys
 libc = ctypes.CDLL(None, use_errno=True)
-if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
-    print(f"unshare(CLONE_NEWNET) failed: errno {ctypes.get_errno()}", flush=True)
+if libc.unshare(%d) != 0:
+    print(f"unshare(CLONE_NEWNET | CLONE_NEWIPC) failed: errno {ctypes.get_errno()}", flush=True)
     sys.exit(1)
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 flags = struct.unpack("16sH14x", fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0)))[1]  # SIOCGIFFLAGS
 fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 1))  # SIOCSIFFLAGS: IFF_UP
 print("ready", flush=True)
 sys.stdin.read()  # until the pool closes (or the grader is gone)
-"""
+""" % (NAMESPACES["net"] | NAMESPACES["ipc"])
 
 
-class Network:
-    """The network namespace of one sandboxed pool ([Note: a network of the pool's own])."""
+class Namespaces:
+    """The network and IPC namespaces of one sandboxed pool ([Note: namespaces of the pool's own])."""
 
     _holders: dict[Path, subprocess.Popen] = {}
     _said = False
 
     @classmethod
     def start(cls, root: Path) -> int | None:
-        """pid of a new namespace's holder process, or None (said once) where one cannot be made."""
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _NETWORK_HOLDER], stdin=subprocess.PIPE,
+        """pid of new namespaces' holder process, or None (said once) where they cannot be made."""
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _NAMESPACE_HOLDER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={"PATH": os.defpath})
         try:
             line = proc.stdout.readline().strip()
@@ -245,8 +264,9 @@ class Network:
             proc.wait()
             if not cls._said:
                 cls._said = True
-                print(f"sandbox: no network namespace of their own for the ranks under test ({line or 'no answer'}): "
-                      "they share this machine's loopback with the grader's FSDP2 ranks", file=sys.stderr, flush=True)
+                print(f"sandbox: no network and IPC namespaces of their own for the ranks under test "
+                      f"({line or 'no answer'}): they share this machine's loopback with the grader's FSDP2 ranks, "
+                      "and its System V and POSIX IPC with later submissions", file=sys.stderr, flush=True)
             return None
         cls._holders[root] = proc
         return proc.pid
@@ -259,14 +279,15 @@ class Network:
 
     @staticmethod
     def join(pid: int) -> None:
-        """In a rank, while still root: enter the pool's namespace."""
+        """In a rank, while still root: enter the pool's namespaces."""
         libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
-        try:
-            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-                raise SandboxError(f"could not join the pool's network namespace: errno {ctypes.get_errno()}")
-        finally:
-            os.close(fd)
+        for name, kind in NAMESPACES.items():
+            fd = os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, kind) != 0:
+                    raise SandboxError(f"could not join the pool's {name} namespace: errno {ctypes.get_errno()}")
+            finally:
+                os.close(fd)
 
 
 def reachable(*more: Path) -> None:
@@ -285,18 +306,25 @@ def reachable(*more: Path) -> None:
                       f"{USER} can import Python's library from under it", file=sys.stderr, flush=True)
 
 
-@functools.cache
 def hidden(root: Path) -> tuple[Path, ...]:
     """What the repository holds that no file under test may read: the files that define an FSDP (a `fully_shard` at
     their top level) but the skeleton every student holds, the mutant registry (snippets of the reference, the lines a
-    student writes among them), pytest's cache (the failed tests of the run before), and the history (`.git`). In the
-    instructors' checkout, where `grade` runs, that is the reference, the second solution, the mutants and any
-    submission kept there; a released copy and the Gradescope bundle hold none of them. Not the harness, nor a hidden
-    folder (the environment, the store). Read once per process (every sandboxed pool's start closes them)."""
+    student writes among them), the bytecode Python compiled of them (the whole module, in `__pycache__`), pytest's
+    cache (the failed tests of the run before), and the history (`.git`). In the instructors' checkout, where `grade`
+    runs, that is the reference, the second solution, the mutants and any submission kept there; a released copy and
+    the Gradescope bundle hold none of them. Not the harness, nor a hidden folder (the environment, the store). Every
+    sandboxed pool's start closes them: bytecode compiled later takes its source's mode, closed by then."""
+    sources = _defining(root)
+    compiled = [c for source in sources for c in sorted((source.parent / "__pycache__").glob(f"{source.stem}.*.pyc"))]
+    return (root / ".git", root / PYTEST_CACHE, *sources, *compiled)
+
+
+@functools.cache
+def _defining(root: Path) -> tuple[Path, ...]:
+    """The mutant registry and the files that define an FSDP but the skeleton (`hidden`): read once per process."""
     import ast
 
-    found = [root / ".git", root / PYTEST_CACHE, *[p for p in (root / "solution" / "tests" / "mutation.py",)
-                                                   if p.exists()]]
+    found = [p for p in (root / "solution" / "tests" / "mutation.py",) if p.exists()]
     for folder, folders, files in os.walk(root):
         folders[:] = [f for f in folders if not f.startswith(".") and f not in ("__pycache__", "harness")]
         for name in files:
@@ -358,13 +386,42 @@ def environment(grader: dict[str, str], private: Private) -> dict[str, str]:
             "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
 
 
+# [Note: what a rank starts with]
+# A rank is a fork of the forkserver (CPU) or a fresh interpreter (CUDA: spawn), and starts with the environment
+# that process was started with: on its stack, where clearing os.environ (`enter`) leaves it to be read by a rank
+# that reads its own memory. So where the sandbox is wanted, ranks and the forkserver start while the grader's
+# environment holds only what a run needs (`launching`): the grader's credentials (a CI token, Gradescope's) are in
+# no rank's memory at all.
+def launch_environment(grader: dict[str, str]) -> dict[str, str]:
+    """Of the grader's environment, what a rank starts with ([Note: what a rank starts with])."""
+    return {k: v for k, v in grader.items()
+            if k in KEPT or k in LAUNCH_KEPT or k.startswith(KEPT_PREFIXES) or k.startswith(LAUNCH_PREFIXES)}
+
+
+@contextlib.contextmanager
+def launching():
+    """While ranks or their forkserver start: the grader's environment is `launch_environment`'s, then all of it
+    again. Not root: as it is (the student's own run)."""
+    if not wanted():
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(launch_environment(saved))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def enter(private: Private) -> None:
     """In a freshly forked rank, before any file under test is imported: become the sandbox user for
     good, with the private HOME and TMPDIR. Not root: nothing changes (the student's own run)."""
     if private.uid is None:
         return
-    if private.network is not None:
-        Network.join(private.network)
+    if private.namespaces is not None:
+        Namespaces.join(private.namespaces)
     # A bound on the sandbox user's processes (threads count too: a rank has dozens), so that a fork storm can
     # neither exhaust the machine's process table nor outrun `sweep`.
     resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
@@ -796,9 +853,10 @@ def _held(uid: int) -> set[str]:
 
 
 def _sweep_ipc(uid: int) -> list[str]:
-    """Remove the System V shared memory segments, message queues and semaphore sets `uid` owns: they are no
-    files, and outlive every process (a segment of gigabytes would stay pinned for every later submission). A
-    segment still attached goes once its last process detaches. Not under the simulated macOS (no /proc)."""
+    """Remove the System V shared memory segments, message queues and semaphore sets `uid` made or owns: they are
+    no files, and outlive every process (a segment of gigabytes would stay pinned for every later submission). Made
+    too: its owner may hand one to another user (IPC_SET), and its creator keeps the owner's rights. A segment still
+    attached goes once its last process detaches. Not under the simulated macOS (no /proc)."""
     if compat.simulated():
         return []
     libc = ctypes.CDLL(None, use_errno=True)
@@ -811,30 +869,60 @@ def _sweep_ipc(uid: int) -> list[str]:
         except OSError:
             continue
         header = lines[0].split() if lines else []
-        if "uid" not in header or len(header) < 2:
+        if "uid" not in header or "cuid" not in header or len(header) < 2:
             continue
         for line in lines[1:]:
             fields = line.split()
-            if len(fields) == len(header) and int(fields[header.index("uid")]) == uid:
+            if len(fields) == len(header) and uid in (int(fields[header.index("uid")]), int(fields[header.index("cuid")])):
                 ident = int(fields[1])
                 if rmid(ident) == 0:
                     removed.append(f"System V {kind} {ident}")
     return removed
 
 
+# The keyrings a user's keys outlive its processes in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING, and
+# the persistent keyring KEYCTL_GET_PERSISTENT links into the process keyring), emptied by the user itself:
+# keyctl(2) by its number on each architecture (no keyutils library on most machines).
+KEYCTL = {"x86_64": 250, "aarch64": 219}
+_CLEAR_KEYS = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+keyctl = lambda *a: libc.syscall(ctypes.c_long(int(sys.argv[1])), *[ctypes.c_long(x) for x in a])
+persistent = keyctl(22, -1, -2)  # KEYCTL_GET_PERSISTENT, this user, into KEY_SPEC_PROCESS_KEYRING
+for ring in (-4, -5, *([persistent] if persistent > 0 else [])):
+    keyctl(7, ring)  # KEYCTL_CLEAR
+"""
+
+
+def _clear_keys(uid: int, gid: int) -> list[str]:
+    """Empty the keyrings of `uid` that outlive its processes (the kernel keeps a user's keyrings with no process of
+    it alive): a key left there is read by every later submission. Run as that user; not under the simulated macOS
+    (no keyrings there)."""
+    import platform
+
+    if compat.simulated() or (number := KEYCTL.get(platform.machine())) is None:
+        return []
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", _CLEAR_KEYS, str(number)], user=uid, group=gid,
+                          extra_groups=[], env={}, cwd="/", capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise SandboxError(f"could not empty the keyrings of {USER}: {(done.stderr or done.stdout).strip()[-300:]}")
+    return [f"the keyrings of {USER}"]
+
+
 def sweep_files(folders: tuple[str, ...] = SHARED_FOLDERS) -> list[str]:
     """As root: remove every entry of the shared folders that the sandbox user owns (a folder with all in
     it; no link is followed), except what a live process of that user holds (`_held`: another pool's,
-    whose own close sweeps it), and its System V IPC objects. Returns what was removed. Not root: nothing
-    (the student's own run)."""
+    whose own close sweeps it), the System V IPC objects it made or owns (in the machine's IPC namespace: a pool's
+    own goes with it, [Note: namespaces of the pool's own]), and the keys in its keyrings. Returns what was removed.
+    Not root: nothing (the student's own run)."""
     if not wanted():
         return []
     try:
-        uid, _ = account()
+        uid, gid = account()
     except SandboxError:
         return []
     held = _held(uid)
-    removed = _sweep_ipc(uid)
+    removed = _sweep_ipc(uid) + _clear_keys(uid, gid)
     for folder in folders:
         try:
             entries = list(os.scandir(folder))
