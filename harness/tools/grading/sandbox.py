@@ -902,10 +902,16 @@ def _clear_keys(uid: int, gid: int) -> list[str]:
 
     if compat.simulated() or (number := KEYCTL.get(platform.machine())) is None:
         return []
-    done = subprocess.run([sys.executable, "-I", "-S", "-c", _CLEAR_KEYS, str(number)], user=uid, group=gid,
-                          extra_groups=[], env={}, cwd="/", capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise SandboxError(f"could not empty the keyrings of {USER}: {(done.stderr or done.stdout).strip()[-300:]}")
+    for _ in range(10):  # a process of the sandbox user's: another grading's sweep may kill it (it is no live rank)
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", _CLEAR_KEYS, str(number)], user=uid, group=gid,
+                              extra_groups=[], env={}, cwd="/", capture_output=True, text=True, timeout=60)
+        if done.returncode >= 0:
+            break
+    if done.returncode != 0:  # said, and the sweep goes on: what else it removes matters as much
+        print(f"sandbox: could not empty the keyrings of {USER} (exit code {done.returncode}: "
+              f"{(done.stderr or done.stdout).strip()[-300:]}): a key a rank left there stays for later submissions",
+              file=sys.stderr, flush=True)
+        return []
     return [f"the keyrings of {USER}"]
 
 
