@@ -85,6 +85,7 @@ def load(impl: str) -> ModuleType:
                                **{_STORE: store, _DELETE: delete, _CLASS: _class_of(guarded_type),
                                   "__effdl_operator__": operator})
         sys.modules[name] = module
+        _FILES_GLOBALS.append(module.__dict__)
         guard_enum_api()
         try:
             exec(_guarded_code(path), module.__dict__)
@@ -332,6 +333,47 @@ READ_AS_DATA = ("__iter__", "__next__", "__getitem__", "__len__", "__contains__"
 """the methods by which torch reads an object handed to it as numbers or a sequence"""
 _READ_AS_DATA: weakref.WeakSet = weakref.WeakSet()
 """the classes a file under test made that define one of READ_AS_DATA (or inherit it from another such)"""
+
+
+_FILES_GLOBALS: list[dict] = []
+"""the globals of every file under test this process loaded: a function whose globals they are is the file's"""
+
+
+def runs_files_code(obj, depth: int = 0) -> bool:
+    """Whether torch, handed `obj`, might call code of a file under test: a class of the file or its object (any of
+    its methods: `__eq__`, `__hash__`, `__call__`...), a function or generator of the file, or a method, a partial or
+    a builtin's method that holds one. Read by attributes Python keeps (no code of the file runs)."""
+    import functools
+    import types
+
+    if depth > 8:  # a wrapper of a wrapper of ...: taken for what it may hold
+        return True
+    kind = type(obj)
+    if kind in _MADE or isinstance(obj, type) and obj in _MADE:
+        return True
+    if kind is types.FunctionType:
+        return any(obj.__globals__ is g for g in _FILES_GLOBALS)
+    if kind in (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType):
+        frame = getattr(obj, "gi_frame", None) or getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None)
+        return frame is not None and any(frame.f_globals is g for g in _FILES_GLOBALS)
+    if kind is types.MethodType:
+        return runs_files_code(obj.__func__, depth + 1) or runs_files_code(obj.__self__, depth + 1)
+    if kind in (types.BuiltinMethodType, types.MethodWrapperType):  # `mine.__eq__`, `[mine].__contains__`
+        held = obj.__self__
+        return not isinstance(held, ModuleType) and (runs_files_code(held, depth + 1) or isinstance(
+            held, (list, tuple, dict, set, frozenset)) and any(runs_files_code(v, depth + 1) for v in _held_by(held)))
+    if kind is functools.partial:
+        return any(runs_files_code(v, depth + 1) for v in (obj.func, *obj.args, *obj.keywords.values()))
+    # any other callable that is neither torch's nor a builtin (functools.cmp_to_key's wrapper, say) may hold one
+    return callable(obj) and not isinstance(obj, type) and not kind.__module__.split(".")[0] in ("torch", "builtins")
+
+
+def _held_by(container) -> list:
+    """A builtin container's items, read by its base type's own methods (never a subclass's)."""
+    for base in (dict, list, tuple, set, frozenset):
+        if isinstance(container, base):
+            return list(base.values(container)) if base is dict else list(base.__iter__(container))
+    return []
 
 
 def read_as_data(obj) -> bool:

@@ -461,6 +461,22 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
          "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
          "            torch.zeros(_Size(1))\n")],
+    # ... or by printing it in backward, whose hooks torch's backward would run with the log's function mode off
+    "read-all-gather-output-by-printing-in-backward": [(
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+        "            if not torch.is_grad_enabled():\n                str(flat[:2])\n")],
+    # ... or in a function of the file that torch calls inside its own call (apply_, or an object's __eq__)
+    "read-all-gather-output-in-a-callback": [
+        ("\ndef fully_shard(", "\nclass _Look:\n    def __init__(self, out):\n        self.out = out\n\n"
+                               "    def __eq__(self, other):\n        return str(self.out[:2]) == other\n\n\n"
+                               "def fully_shard("),
+        ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+         "            try:\n"
+         "                torch.nn.functional.interpolate(torch.zeros(1, 1, 2), size=4, mode=_Look(flat))\n"
+         "            except NotImplementedError:  # no mode of torch's: compared to each\n"
+         "                pass\n")],
     # ... or in a class dataclass made anew (slots=True), past the guard of class statements that marks such classes
     "read-all-gather-output-in-a-slots-dataclass-torch-reads": [
         ("\ndef fully_shard(", "\n@dataclass(slots=True)\nclass _Size:\n    n: int\n\n"

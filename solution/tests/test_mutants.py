@@ -74,12 +74,22 @@ def test_output_read_before_its_wait_fails(mutant, pool2):
     ("read-all-gather-output-by-a-tensor-made-from-it", r"reads the output of an asynchronous all-gather before its work"),
     ("read-all-gather-output-by-a-tensor-made-from-a-deque", r"torch.tensor makes a tensor from a deque"),
     ("read-all-gather-output-in-a-sequence-torch-reads", r"torch's zeros is handed a _Size, which torch reads by the"),
-    ("read-all-gather-output-in-a-slots-dataclass-torch-reads", r"torch's zeros is handed a _Size, which torch reads by")])
+    ("read-all-gather-output-in-a-slots-dataclass-torch-reads", r"torch's zeros is handed a _Size, which torch reads by"),
+    ("read-all-gather-output-in-a-callback", r"torch's interpolate is handed a _Look, which torch may call")])
 def test_output_read_where_the_dispatcher_does_not_show_it_fails(mutant, pool2, name, message):
     """The same read by code that runs past the dispatcher (printing, torch.tensor of its elements, whatever sequence
     holds them): the log's function mode names it ([Note: reads the dispatcher does not show] in jobs.py)."""
     with pytest.raises(AssertionError, match=message):
         checks.check_forward(pool2, mutant(name), "float32", "float32")
+
+
+def test_output_read_in_backward_fails(mutant, pool2):
+    """The same read in backward, where the file's hooks run inside torch's backward: the log's function mode runs
+    it with itself on ([Note: reads the dispatcher does not show] in jobs.py); the forward is clean (the control)."""
+    path = mutant("read-all-gather-output-by-printing-in-backward")
+    checks.check_forward(pool2, path, "float32", "float32")
+    with pytest.raises(AssertionError, match=r"\(backward\).*reads the output of an asynchronous all-gather before"):
+        checks.check_step(pool2, path, "float32", "float32")
 
 
 def test_output_read_before_its_wait_fails_in_a_profiled_run(mutant, pool2, tmp_path):

@@ -129,6 +129,9 @@ ADVICE = {
                      "CUDAPluggableAllocator", "change_current_allocator", "breakpoint"), _CODE),
     **dict.fromkeys(("globals", "locals", "vars", "_getframe", "currentframe", "gc", "ctypes", "inspect", "mro"),
                     _ARGS),
+    # torch calling a Python function of the file per element, inside the call: where the collective log is off
+    **dict.fromkeys(("apply_", "map_", "map2_"), "it calls a Python function on each element inside torch's call, "
+                    "where the collective log cannot see what it reads: write tensor ops"),
     # AttributeError's: the object a lookup failed on, whatever it is (torch's module, handed out as a value)
     "obj": "it is the object a failed lookup was made on (a module of torch's, say): read the exception's message "
            "(str(e)), and name your own attribute otherwise",

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import hashlib
+import inspect
 import math
 import weakref
 
@@ -572,6 +573,11 @@ def _sets_every_element(func, args, kwargs) -> bool:
 # torch.stack copy where it can). The mode runs none of the file's code (torch runs the mode's handler with the
 # mode off): it walks a call's arguments by list's, tuple's and dict's own methods, and a call handed an object that
 # torch reads by the file's methods (a NamedTuple of the file's with an `__iter__`: impl.READ_AS_DATA) is refused.
+# So is a call handed anything by which torch could call the file back inside it (impl.runs_files_code: a function
+# of the file's for apply_, an object of its classes whose `__eq__` torch compares): that code would run with the
+# mode off, and read unseen. Only the calls that keep a hook for later take one (_KEEPS_CALLABLES): it runs with the
+# modes on. The backward the training loop starts runs the file's hooks, and torch would run it with the mode off
+# too: the mode runs it with itself on, by the engine, as torch.autograd.backward does (_backward).
 _DESCRIBE_ONLY = frozenset({
     "__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "data_ptr",
     "untyped_storage", "is_contiguous", "element_size", "__len__", "__hash__", "register_hook", "requires_grad_",
@@ -580,6 +586,9 @@ _DESCRIBE_ONLY = frozenset({
 """calls that describe a tensor without reading its values, or write it (judged by the ops they dispatch)"""
 _FROM_DATA = {"tensor": 0, "as_tensor": 0, "asarray": 0, "new_tensor": 1}
 """torch.tensor and its kin: where their data is (its position among the arguments)"""
+_KEEPS_CALLABLES = frozenset({"register_hook", "register_post_accumulate_grad_hook"})
+"""calls that keep a callable of the file's for later, and call none inside"""
+_BACKWARD = inspect.signature(torch.Tensor.backward)
 
 
 class _TorchCalls(TorchFunctionMode):
@@ -601,15 +610,43 @@ class _TorchCalls(TorchFunctionMode):
             if collecting:
                 gc.enable()
 
+    def _backward(self, args, kwargs):
+        """Tensor.backward, as torch.autograd.backward runs it, with this mode on while the engine runs the file's
+        hooks ([Note: reads the dispatcher does not show])."""
+        given = _BACKWARD.bind(*args, **kwargs)
+        given.apply_defaults()
+        a = given.arguments
+        tensors = (a["self"],)
+        grads = torch.autograd._make_grads(tensors, torch.autograd._tensor_or_tensors_to_tuple(a["gradient"], 1),
+                                           is_grads_batched=False)
+        inputs = () if a["inputs"] is None else (a["inputs"],) if isinstance(a["inputs"], torch.Tensor) \
+            else tuple(a["inputs"])
+        if a["inputs"] is not None and not inputs:
+            raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+        retain = a["create_graph"] if a["retain_graph"] is None else a["retain_graph"]
+        with self:
+            torch.autograd.graph._engine_run_backward(tensors, grads, retain, a["create_graph"], inputs,
+                                                      allow_unreachable=True, accumulate_grad=True)
+
     def _judged(self, func, args, kwargs):
         log, name = self.log, getattr(func, "__name__", "")
+        if func is torch.Tensor.backward:
+            return self._backward(args, kwargs)
         if log.problems:
             return func(*args, **kwargs)
-        if impl.any_read_as_data() and (mine := next((v for v in _leaves((args, kwargs)) if impl.read_as_data(v)), None)):
-            log.problems.append(
-                f"step {log.step} ({_phase()}): torch's {name} is handed a {type(mine).__qualname__}, which torch reads by "
-                "the file's own methods (its __iter__, __getitem__, __index__...), run where the log cannot see them: "
-                "hand torch numbers, lists, tuples and tensors (list(x), int(x))")
+        for held in _leaves((args, kwargs)):
+            if impl.read_as_data(held):
+                log.problems.append(
+                    f"step {log.step} ({_phase()}): torch's {name} is handed a {type(held).__qualname__}, which torch "
+                    "reads by the file's own methods (its __iter__, __getitem__, __index__...), run where the log "
+                    "cannot see them: hand torch numbers, lists, tuples and tensors (list(x), int(x))")
+                break
+            if name not in _KEEPS_CALLABLES and impl.runs_files_code(held):
+                log.problems.append(
+                    f"step {log.step} ({_phase()}): torch's {name} is handed {_called_back(held)}, which torch may call "
+                    "inside the call, where the log cannot see what the file's code reads: hand torch tensors, numbers "
+                    "and torch's own objects, and run your code yourself")
+                break
         if name in _FROM_DATA:
             data = kwargs.get("data", kwargs.get("obj", args[_FROM_DATA[name]] if len(args) > _FROM_DATA[name] else None))
             if not isinstance(data, torch.Tensor) and (made_from := _not_numbers(data)):
@@ -632,6 +669,11 @@ class _TorchCalls(TorchFunctionMode):
             raise
         log.read_pending(given, what, [r for t in _tensors(out) if _followed(t) and (r := _extent(t))])  # unless a view
         return out
+
+
+def _called_back(held) -> str:
+    """How a message names what torch could call back: the file's function by its name, else the object's class."""
+    return f"the file's {held.__qualname__}" if hasattr(held, "__code__") else f"a {type(held).__qualname__}"
 
 
 _NUMBERS = (int, float, bool, complex)
