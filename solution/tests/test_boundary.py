@@ -490,6 +490,29 @@ def test_a_pool_cannot_find_what_another_pool_staged(ranks):
 
 
 @as_root
+def test_a_rank_holds_no_pipe_to_the_graders_resource_tracker(ranks):
+    """The grader's resource tracker (root's) unlinks each shared memory segment named on its pipe when it ends: no
+    rank under test holds that pipe (a trusted rank does: the control)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    pipe = os.readlink(f"/proc/self/fd/{resource_tracker._resource_tracker._fd}")
+
+    def link(path: str) -> str:
+        try:
+            return os.readlink(path)
+        except FileNotFoundError:  # closed meanwhile
+            return ""
+
+    def held(pool) -> list[bool]:
+        return [any(link(f"/proc/{pid}/fd/{fd}") == pipe for fd in os.listdir(f"/proc/{pid}/fd"))
+                for pid in pool.run(pid_job, timeout=60)]
+
+    assert pipe.startswith("pipe:") and held(ranks.trusted) == [True, True]
+    assert held(ranks.sandboxed) == [False, False]
+
+
+@as_root
 def test_what_only_instructors_read_is_closed_to_a_submission(tmp_path):
     """In the instructors' checkout (where `grade` runs as root) a rank under test cannot read the reference, the
     second solution, the mutants (snippets of the reference), the bytecode compiled of them or the history that holds

@@ -422,6 +422,14 @@ def enter(private: Private) -> None:
         return
     if private.namespaces is not None:
         Namespaces.join(private.namespaces)
+    # The grader's resource tracker (root's, whose pipe every fork of the forkserver holds) unlinks at its end each
+    # shared memory segment a line on that pipe names, anyone's: a rank gets a tracker of its own when it needs one.
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        os.close(tracker._fd)
+        tracker._fd = tracker._pid = None
     # A bound on the sandbox user's processes (threads count too: a rank has dozens), so that a fork storm can
     # neither exhaust the machine's process table nor outrun `sweep`.
     resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
