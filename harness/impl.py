@@ -349,8 +349,10 @@ def runs_files_code(obj, depth: int = 0) -> bool:
     if depth > 8:  # a wrapper of a wrapper of ...: taken for what it may hold
         return True
     kind = type(obj)
-    if kind in _MADE or isinstance(obj, type) and obj in _MADE:
+    if isinstance(obj, type) and obj in _MADE:  # called, it runs the file's __init__
         return True
+    if kind in _MADE:  # a plain NamedTuple, dataclass-free record or enum member of the file's runs none of its code
+        return _holds_files_code(kind)
     if kind is types.FunctionType:
         return any(obj.__globals__ is g for g in _FILES_GLOBALS)
     if kind in (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType):
@@ -366,6 +368,24 @@ def runs_files_code(obj, depth: int = 0) -> bool:
         return any(runs_files_code(v, depth + 1) for v in (obj.func, *obj.args, *obj.keywords.values()))
     # any other callable that is neither torch's nor a builtin (functools.cmp_to_key's wrapper, say) may hold one
     return callable(obj) and not isinstance(obj, type) and not kind.__module__.split(".")[0] in ("torch", "builtins")
+
+
+_CODE_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _holds_files_code(kind: type) -> bool:
+    """Whether a class of the file's, or one of its bases of the file's, holds code of a file under test: a method, a
+    property's accessor, a static or class method (what torch may call on its object: `__eq__`, `__index__`...;
+    dataclass's methods too, compiled under the file's globals). Read once per class."""
+    if (known := _CODE_OF.get(kind)) is not None:
+        return known
+    _CODE_OF[kind] = False  # while it is read: an enum's members are its own objects
+    found = any(callable(part) and not isinstance(part, type) and runs_files_code(part)
+                for base in kind.__mro__ if base in _MADE for held in vars(base).values()
+                for part in ([held.fget, held.fset, held.fdel] if isinstance(held, property) else
+                             [held.__func__] if isinstance(held, (staticmethod, classmethod)) else [held]))
+    _CODE_OF[kind] = found
+    return found
 
 
 def _held_by(container) -> list:
@@ -605,8 +625,9 @@ class _GuardStores(ast.NodeTransformer):
             else:
                 yield target
 
-        return [ast.copy_location(self.call(_DELETE, t.value, ast.Constant(t.attr)) if isinstance(t, ast.Attribute)
+        done = [ast.copy_location(self.call(_DELETE, t.value, ast.Constant(t.attr)) if isinstance(t, ast.Attribute)
                                   else ast.Delete([t]), node) for target in node.targets for t in leaves(target)]
+        return done or ast.copy_location(ast.Pass(), node)  # `del ()`: nothing to delete
 
 
 _INPLACE = {ast.Add: "iadd", ast.Sub: "isub", ast.Mult: "imul", ast.MatMult: "imatmul", ast.Div: "itruediv",

@@ -425,13 +425,15 @@ class _Names:
 
 @functools.cache
 def _on_disk(searched: frozenset[str], api: frozenset[str]) -> dict[str, str]:
-    """name -> module of every submodule in the folders of the searched packages (listed, never imported), but those
-    reached by an allowed attribute and those named as the API (logging's `debug`: refused once imported, as before)."""
+    """name -> module of every submodule in the folders of the searched packages that import a submodule when its
+    attribute is first read (a module `__getattr__`: torch's), listed, never imported; but those reached by an allowed
+    attribute and those named as the API. Elsewhere a submodule not yet imported is no attribute to read."""
     import pkgutil
 
     allowed = SUBMODULE_ATTRS | SHADOWED_MODULE_ATTRS | api
     return {info.name: f"{parent}.{info.name}" for parent in sorted(searched)
-            if (path := getattr(sys.modules.get(parent), "__path__", None)) is not None
+            if (module := sys.modules.get(parent)) is not None and "__getattr__" in vars(module)
+            and (path := getattr(module, "__path__", None)) is not None
             for info in pkgutil.iter_modules(path) if info.name not in allowed}
 
 

@@ -599,6 +599,8 @@ class _TorchCalls(TorchFunctionMode):
         self.log = log
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.backward:  # run with this mode on: a collection there is seen as any other code
+            return self._backward(args, kwargs or {})
         # No garbage collection meanwhile, as in the log's dispatch: the mode is off while it handles a call, and a
         # collection would run the file's weakref callbacks and finalizers here, their calls unseen.
         collecting = gc.isenabled()
@@ -616,10 +618,15 @@ class _TorchCalls(TorchFunctionMode):
         given = _BACKWARD.bind(*args, **kwargs)
         given.apply_defaults()
         a = given.arguments
+        if torch._C._are_functorch_transforms_active():
+            raise RuntimeError("backward() called inside a functorch transform. This is not supported, please use "
+                               "functorch.grad or functorch.vjp instead or call backward() outside of functorch "
+                               "transforms.")
         tensors = (a["self"],)
         grads = torch.autograd._make_grads(tensors, torch.autograd._tensor_or_tensors_to_tuple(a["gradient"], 1),
                                            is_grads_batched=False)
-        inputs = () if a["inputs"] is None else (a["inputs"],) if isinstance(a["inputs"], torch.Tensor) \
+        single = (torch.Tensor, torch.autograd.graph.GradientEdge)
+        inputs = () if a["inputs"] is None else (a["inputs"],) if isinstance(a["inputs"], single) \
             else tuple(a["inputs"])
         if a["inputs"] is not None and not inputs:
             raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
@@ -630,8 +637,6 @@ class _TorchCalls(TorchFunctionMode):
 
     def _judged(self, func, args, kwargs):
         log, name = self.log, getattr(func, "__name__", "")
-        if func is torch.Tensor.backward:
-            return self._backward(args, kwargs)
         if log.problems:
             return func(*args, **kwargs)
         for held in _leaves((args, kwargs)):

@@ -232,7 +232,7 @@ class RankPool:
                     conn.send_bytes(b"registered")  # now each may become the sandbox user
             self._collect("start-up", None, start_timeout)
         except BaseException:  # a rank that could not start, or an interrupt: nothing of the pool outlives it
-            self.close()  # (its private folder and network holder included)
+            self.close()  # (its private folder and namespace holder included)
             raise
 
     @property

@@ -53,10 +53,13 @@ the run's settings, never a credential or a path into the grader's own files"""
 KEPT_PREFIXES = ("LC_", "CUDA_VISIBLE", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "KINETO_")
 
 
-LAUNCH_KEPT = frozenset({"HOME", "USER", "LOGNAME", "TMPDIR", "LD_LIBRARY_PATH", "VIRTUAL_ENV"})
-LAUNCH_PREFIXES = ("PYTHON", "XDG_", "HF_", "TORCHINDUCTOR_", "TRITON_", "FSDP")
+LAUNCH_KEPT = frozenset({"HOME", "USER", "LOGNAME", "TMPDIR", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "HF_HOME",
+                         "HF_DATASETS_CACHE", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"})
+LAUNCH_PREFIXES = ("PYTHON", "XDG_", "TORCHINDUCTOR_", "TRITON_", "FSDP", "CUDA_")
 """what else of the grader's environment a rank starts with (LAUNCH_KEPT, LAUNCH_PREFIXES, with KEPT and
-KEPT_PREFIXES): where things are, for the trusted ranks, which the forkserver also starts; never a credential"""
+KEPT_PREFIXES): where things are, for the trusted ranks, which the forkserver also starts"""
+CREDENTIAL_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL", "AUTH")
+"""a variable whose name holds one of these is kept by no rank, whatever its prefix (HF_TOKEN, say)"""
 
 
 class SandboxError(RuntimeError):
@@ -352,8 +355,13 @@ def made_closed(folder: Path) -> None:
         folder.mkdir(mode=0o750)
     except FileExistsError:
         pass
-    except OSError as e:  # a read-only checkout: whoever grades here cannot make it either
-        print(f"sandbox: could not make {folder} ({e.strerror})", file=sys.stderr, flush=True)
+    except OSError as e:  # a read-only checkout: whoever grades here cannot make it either (said once)
+        if folder not in _NOT_MADE:
+            _NOT_MADE.add(folder)
+            print(f"sandbox: could not make {folder} ({e.strerror})", file=sys.stderr, flush=True)
+
+
+_NOT_MADE: set[Path] = set()
 
 
 def hide(*paths: Path) -> None:
@@ -379,7 +387,8 @@ def environment(grader: dict[str, str], private: Private) -> dict[str, str]:
     the run (KEPT, KEPT_PREFIXES), and its caches in its private home, not where root's are (the
     forkserver, root, may have set inductor's cache folder in the environment already)."""
     cache = private.home / ".cache"
-    return {**{k: v for k, v in grader.items() if k in KEPT or k.startswith(KEPT_PREFIXES)},
+    return {**{k: v for k, v in grader.items() if (k in KEPT or k.startswith(KEPT_PREFIXES))
+               and not any(w in k.upper() for w in CREDENTIAL_WORDS)},
             "USER": USER, "LOGNAME": USER, "HOME": str(private.home), "TMPDIR": str(private.tmp),
             "XDG_CACHE_HOME": str(cache), "HF_HOME": str(cache / "huggingface"),
             "HF_DATASETS_CACHE": str(cache / "huggingface" / "datasets"),
@@ -394,8 +403,8 @@ def environment(grader: dict[str, str], private: Private) -> dict[str, str]:
 # no rank's memory at all.
 def launch_environment(grader: dict[str, str]) -> dict[str, str]:
     """Of the grader's environment, what a rank starts with ([Note: what a rank starts with])."""
-    return {k: v for k, v in grader.items()
-            if k in KEPT or k in LAUNCH_KEPT or k.startswith(KEPT_PREFIXES) or k.startswith(LAUNCH_PREFIXES)}
+    return {k: v for k, v in grader.items() if not any(w in k.upper() for w in CREDENTIAL_WORDS)
+            and (k in KEPT or k in LAUNCH_KEPT or k.startswith(KEPT_PREFIXES) or k.startswith(LAUNCH_PREFIXES))}
 
 
 @contextlib.contextmanager
@@ -453,6 +462,17 @@ def enter(private: Private) -> None:
     # dumpable only while it writes its own /proc/self/clear_refs)
     if libc.prctl(3, 0, 0, 0, 0) != 0:
         raise SandboxError(f"a rank became {USER} and stayed dumpable")
+    # A session keyring of its own (the forkserver's was root's, shared by every rank): what a rank keeps there goes
+    # with its processes (KEYCTL_JOIN_SESSION_KEYRING, anonymous); the user's own keyrings every sweep empties. Where
+    # keyrings are closed to processes (Docker's seccomp profile) or absent, there is none to share.
+    import errno
+    import platform
+
+    if (number := KEYCTL.get(platform.machine())) is not None and \
+            libc.syscall(ctypes.c_long(number), ctypes.c_long(1), ctypes.c_void_p(None)) < 0 and \
+            ctypes.get_errno() not in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+        raise SandboxError(f"a rank became {USER} and could not leave root's session keyring: errno "
+                           f"{ctypes.get_errno()}")
     kept = environment(os.environ, private)
     os.environ.clear()
     os.environ.update(kept)
@@ -893,9 +913,16 @@ def _sweep_ipc(uid: int) -> list[str]:
 # keyctl(2) by its number on each architecture (no keyutils library on most machines).
 KEYCTL = {"x86_64": 250, "aarch64": 219}
 _CLEAR_KEYS = r"""
-import ctypes, sys
+import ctypes, os, sys
+number, uid, gid = map(int, sys.argv[1:4])
 libc = ctypes.CDLL(None, use_errno=True)
-keyctl = lambda *a: libc.syscall(ctypes.c_long(int(sys.argv[1])), *[ctypes.c_long(x) for x in a])
+keyctl = lambda *a: libc.syscall(ctypes.c_long(number), *[ctypes.c_long(x) for x in a])
+# root until here, then the user for good, with no exec after it: not dumpable, so no process of the user traces it
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
+if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(3, 0, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, PR_GET_DUMPABLE
+    sys.exit("not dumpable and no new privileges: not so")
 persistent = keyctl(22, -1, -2)  # KEYCTL_GET_PERSISTENT, this user, into KEY_SPEC_PROCESS_KEYRING
 for ring in (-4, -5, *([persistent] if persistent > 0 else [])):
     keyctl(7, ring)  # KEYCTL_CLEAR
@@ -904,23 +931,30 @@ for ring in (-4, -5, *([persistent] if persistent > 0 else [])):
 
 def _clear_keys(uid: int, gid: int) -> list[str]:
     """Empty the keyrings of `uid` that outlive its processes (the kernel keeps a user's keyrings with no process of
-    it alive): a key left there is read by every later submission. Run as that user; not under the simulated macOS
-    (no keyrings there)."""
+    it alive): a key left there is read by every later submission. By a root interpreter that becomes that user
+    itself (no exec after: not dumpable, so a live rank cannot trace it), within seconds; not under the simulated
+    macOS (no keyrings there)."""
     import platform
 
     if compat.simulated() or (number := KEYCTL.get(platform.machine())) is None:
         return []
+    why = "no try"
     for _ in range(10):  # a process of the sandbox user's: another grading's sweep may kill it (it is no live rank)
-        done = subprocess.run([sys.executable, "-I", "-S", "-c", _CLEAR_KEYS, str(number)], user=uid, group=gid,
-                              extra_groups=[], env={}, cwd="/", capture_output=True, text=True, timeout=60)
-        if done.returncode >= 0:
+        try:
+            done = subprocess.run([sys.executable, "-I", "-S", "-c", _CLEAR_KEYS, str(number), str(uid), str(gid)],
+                                  env={}, cwd="/", capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError) as e:  # stopped by a live rank (SIGSTOP), say
+            why = str(e)
+            continue
+        if done.returncode == 0:
+            return [f"the keyrings of {USER}"]
+        why = f"exit code {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}"
+        if done.returncode > 0:
             break
-    if done.returncode != 0:  # said, and the sweep goes on: what else it removes matters as much
-        print(f"sandbox: could not empty the keyrings of {USER} (exit code {done.returncode}: "
-              f"{(done.stderr or done.stdout).strip()[-300:]}): a key a rank left there stays for later submissions",
-              file=sys.stderr, flush=True)
-        return []
-    return [f"the keyrings of {USER}"]
+    # said, and the sweep goes on: what else it removes matters as much
+    print(f"sandbox: could not empty the keyrings of {USER} ({why}): a key a rank left there stays for later "
+          "submissions", file=sys.stderr, flush=True)
+    return []
 
 
 def sweep_files(folders: tuple[str, ...] = SHARED_FOLDERS) -> list[str]:
