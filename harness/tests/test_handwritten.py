@@ -911,3 +911,74 @@ def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):
     module = impl.load(str(honest))
     assert module.checks == (True, True, type(None), "FSDPLinear") and isinstance(module.m, torch.nn.Linear)
     assert type(module.m).__module__ == module.__name__  # the file's own class, as its own type() would make it
+
+
+CALLBACKS = """import enum
+import functools
+import typing
+from dataclasses import dataclass
+
+import torch
+
+
+class Shape(typing.NamedTuple):
+    rows: int
+    cols: int
+
+
+class Kind(enum.Enum):
+    A = 1
+    B = 2
+
+
+class Looks(typing.NamedTuple):
+    n: int
+
+    def __eq__(self, other):
+        return True
+
+
+@dataclass
+class Rec:
+    n: int
+
+
+def fn(x):
+    return x
+
+
+class Prop:
+    @property
+    def size(self):
+        return 1
+
+
+def fully_shard(m, **kwargs):
+    return m
+
+
+class MixedPrecisionPolicy:
+    pass
+"""
+
+
+
+def test_what_torch_could_call_back_is_the_files_code_only(tmp_path):
+    """impl.runs_files_code ([Note: reads the dispatcher does not show] in jobs.py): what the collective log's function
+    mode refuses to hand torch is what holds the file's code (a method of its class, a function, a partial or a
+    builtin's method over one, the class itself); a plain NamedTuple, record or enum member of the file's is data."""
+    import functools
+
+    import torch
+
+    from harness import impl
+
+    path = tmp_path / "callbacks.py"
+    path.write_text(CALLBACKS)
+    m = impl.load(str(path))
+    calls_back = {"Looks": m.Looks(1), "Rec": m.Rec(1), "fn": m.fn, "partial": functools.partial(m.fn),
+                  "Prop": m.Prop(), "a class": m.Shape, "a method": m.Looks(1).__eq__,
+                  "a list's method": [m.Looks(1)].__contains__}
+    data = {"Shape": m.Shape(2, 3), "Kind.A": m.Kind.A, "torch.add": torch.add, "3": 3, "a tensor": torch.ones(1)}
+    assert [k for k, v in calls_back.items() if not impl.runs_files_code(v)] == []
+    assert [k for k, v in data.items() if impl.runs_files_code(v)] == []
