@@ -342,17 +342,30 @@ _FILES_GLOBALS: list[dict] = []
 def runs_files_code(obj, depth: int = 0) -> bool:
     """Whether torch, handed `obj`, might call code of a file under test: a class of the file or its object (any of
     its methods: `__eq__`, `__hash__`, `__call__`...), a function or generator of the file, or a method, a partial or
-    a builtin's method that holds one. Read by attributes Python keeps (no code of the file runs)."""
+    a builtin's method that holds one, an iterator torch would draw from (map, filter, itertools', a weak proxy),
+    a container of Python's holding one. Read by attributes and iteration Python keeps (no code of the file runs)."""
+    import collections
     import functools
     import types
 
     if depth > 8:  # a wrapper of a wrapper of ...: taken for what it may hold
         return True
-    kind = type(obj)
-    if isinstance(obj, type) and obj in _MADE:  # called, it runs the file's __init__
+    kind = type(obj)  # (by its type, never `isinstance(obj, ...)`: a weak proxy or a lookup hook answers that)
+    if kind in _LAZY or kind.__module__ == "itertools":
         return True
-    if kind in _MADE:  # a plain NamedTuple, dataclass-free record or enum member of the file's runs none of its code
-        return _holds_files_code(kind)
+    if issubclass(kind, type) and obj in _MADE:  # called, it runs the file's __init__
+        return True
+    if kind in _MADE and _holds_files_code(kind):  # a plain NamedTuple, record or enum member of the file's runs none
+        return True
+    if issubclass(kind, (list, tuple, dict, set, frozenset, collections.deque)) or kind in _VIEWS:
+        items = _held_by(obj) if issubclass(kind, (list, tuple, dict, set, frozenset)) else list(obj)  # C iteration
+        factory = collections.defaultdict.default_factory.__get__(obj) if issubclass(kind, collections.defaultdict) \
+            else None  # called for a missing key
+        return runs_files_code(factory, depth + 1) or any(runs_files_code(v, depth + 1) for v in items)
+    if issubclass(kind, (collections.UserList, collections.UserDict)):
+        return runs_files_code(vars(obj).get("data"), depth + 1)
+    if issubclass(kind, collections.ChainMap):
+        return runs_files_code(vars(obj).get("maps"), depth + 1)
     if kind is types.FunctionType:
         return any(obj.__globals__ is g for g in _FILES_GLOBALS)
     if kind in (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType):
@@ -362,14 +375,16 @@ def runs_files_code(obj, depth: int = 0) -> bool:
         return runs_files_code(obj.__func__, depth + 1) or runs_files_code(obj.__self__, depth + 1)
     if kind in (types.BuiltinMethodType, types.MethodWrapperType):  # `mine.__eq__`, `[mine].__contains__`
         held = obj.__self__
-        return not isinstance(held, ModuleType) and (runs_files_code(held, depth + 1) or isinstance(
-            held, (list, tuple, dict, set, frozenset)) and any(runs_files_code(v, depth + 1) for v in _held_by(held)))
+        return not issubclass(type(held), ModuleType) and runs_files_code(held, depth + 1)
     if kind is functools.partial:
         return any(runs_files_code(v, depth + 1) for v in (obj.func, *obj.args, *obj.keywords.values()))
     # any other callable that is neither torch's nor a builtin (functools.cmp_to_key's wrapper, say) may hold one
-    return callable(obj) and not isinstance(obj, type) and not kind.__module__.split(".")[0] in ("torch", "builtins")
+    return callable(obj) and not issubclass(kind, type) and not kind.__module__.split(".")[0] in ("torch", "builtins")
 
 
+_LAZY = (map, filter, zip, enumerate, reversed, type(iter(lambda: 0, 1)), weakref.ProxyType, weakref.CallableProxyType)
+"""what torch, drawing from it or reading it, makes run code it holds"""
+_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 _CODE_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -391,7 +406,7 @@ def _holds_files_code(kind: type) -> bool:
 def _held_by(container) -> list:
     """A builtin container's items, read by its base type's own methods (never a subclass's)."""
     for base in (dict, list, tuple, set, frozenset):
-        if isinstance(container, base):
+        if issubclass(type(container), base):
             return list(base.values(container)) if base is dict else list(base.__iter__(container))
     return []
 

@@ -34,8 +34,6 @@ HONEST = {
                       "        yield\n",
     "class_of_an_object_read": "import torch\ndef f(m):\n    cls = type(m)\n    return isinstance(m, (bool, type(None))), "
                                "cls.__name__, type(f'FSDP{cls.__name__}', (cls,), {}), m.__class__.__name__\n",
-    "internal_names_on_self": "class State:\n    def __init__(self, m):\n        self._module = m\n        self.gen = 0\n"
-                              "    def use(self):\n        return self._module, self.gen\n",
     "unbound_on_self": "from torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        nn.Module.__init__(self)\n",
     "match_builtin": "class P:\n    a = 1\ndef f(x):\n    match x:\n        case int(v):\n            return v\n        case P(a=v):\n            return v\n",
     "os_environ": "import os\nDEBUG = os.environ.get('FSDP_DEBUG') == '1' or os.getenv('X') is not None\n",
@@ -365,7 +363,10 @@ OUTSIDE = {
     "cuda_peak_reset_by_alias": ("import torch\ntorch.cuda.reset_max_memory_cached()\n", 2,
                                  "uses `reset_max_memory_cached`"),
     "context_generator_resumed": ("import contextlib\nclass Slot:\n    def __init__(self):\n        self.gen = None\n"
-                                  "def f(cm):\n    next(cm.gen)\n", 6, "uses `.gen`, an attribute of a standard helper's internals"),
+                                  "def f(cm):\n    next(cm.gen)\n", 4, "uses `.gen`, an attribute of a standard helper's internals"),
+    # a method of the file's runs with whatever self its caller passes (Slot.use(torch's object)): no internals on self
+    "internal_names_on_self": ("class State:\n    def __init__(self, m):\n        self._module = m\n", 3,
+                               "uses `._module`, an attribute of a standard helper's internals"),
     "values_past_the_log": ("import torch\ndef f(t):\n    return t.tolist()\n", 3, "uses `tolist`"),
     "process_reseeded": ("import torch\ntorch.seed()\n", 2, "uses `seed`"),
     "deterministic_debug_mode": ("import torch\ntorch.set_deterministic_debug_mode(1)\n", 2,
@@ -967,7 +968,10 @@ def test_what_torch_could_call_back_is_the_files_code_only(tmp_path):
     """impl.runs_files_code ([Note: reads the dispatcher does not show] in jobs.py): what the collective log's function
     mode refuses to hand torch is what holds the file's code (a method of its class, a function, a partial or a
     builtin's method over one, the class itself); a plain NamedTuple, record or enum member of the file's is data."""
+    import collections
     import functools
+    import itertools
+    import weakref
 
     import torch
 
@@ -976,9 +980,14 @@ def test_what_torch_could_call_back_is_the_files_code_only(tmp_path):
     path = tmp_path / "callbacks.py"
     path.write_text(CALLBACKS)
     m = impl.load(str(path))
-    calls_back = {"Looks": m.Looks(1), "Rec": m.Rec(1), "fn": m.fn, "partial": functools.partial(m.fn),
-                  "Prop": m.Prop(), "a class": m.Shape, "a method": m.Looks(1).__eq__,
-                  "a list's method": [m.Looks(1)].__contains__}
-    data = {"Shape": m.Shape(2, 3), "Kind.A": m.Kind.A, "torch.add": torch.add, "3": 3, "a tensor": torch.ones(1)}
+    looks, prop = m.Looks(1), m.Prop()
+    calls_back = {"Looks": looks, "Rec": m.Rec(1), "fn": m.fn, "partial": functools.partial(m.fn), "Prop": prop,
+                  "a class": m.Shape, "a method": looks.__eq__, "a list's method": [looks].__contains__,
+                  "map": map(m.fn, [1]), "an itertools chain": itertools.chain([1]), "a weak proxy": weakref.proxy(prop),
+                  "a deque": collections.deque([looks]), "a dict's values": {"a": looks}.values(),
+                  "a defaultdict": collections.defaultdict(m.fn), "a ChainMap": collections.ChainMap({"a": looks})}
+    data = {"Shape": m.Shape(2, 3), "Kind.A": m.Kind.A, "torch.add": torch.add, "3": 3, "a tensor": torch.ones(1),
+            "a deque of numbers": collections.deque([1, 2]), "an OrderedDict": collections.OrderedDict(a=1),
+            "torch.Size": torch.Size([2]), "a dtype": torch.float32}
     assert [k for k, v in calls_back.items() if not impl.runs_files_code(v)] == []
     assert [k for k, v in data.items() if impl.runs_files_code(v)] == []

@@ -477,6 +477,12 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
          "                torch.nn.functional.interpolate(torch.zeros(1, 1, 2), size=4, mode=_Look(flat))\n"
          "            except NotImplementedError:  # no mode of torch's: compared to each\n"
          "                pass\n")],
+    # ... or in a function of the file's that an iterator of Python's holds (torch draws the sizes from it)
+    "read-all-gather-output-through-a-map": [(
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+        "            torch.nn.functional.unfold(torch.zeros(1, 1, 2, 2),\n"
+        "                                       kernel_size=map(lambda n: n + 0 * len(str(flat[:2])), [1, 1]))\n")],
     # ... or in a class dataclass made anew (slots=True), past the guard of class statements that marks such classes
     "read-all-gather-output-in-a-slots-dataclass-torch-reads": [
         ("\ndef fully_shard(", "\n@dataclass(slots=True)\nclass _Size:\n    n: int\n\n"
@@ -1242,6 +1248,34 @@ SOURCE_CHEATS.update({
                                                   '    except AttributeError as e:\n        return e.obj\n',
     'lazy-submodule-named-as-the-files-own': 'def names(_dynamo):\n    return _dynamo\n\n\n'
                                              'def reach(m):\n    return m._dynamo.eval_frame\n',
+})
+SOURCE_CHEATS.update({
+    # round 38's too: the file's code run as torch's (by torch's own dispatch helper, or over numpy arrays of a
+    # tensor's memory), a backward of its own through the engine, a weakref callback run wherever torch frees an
+    # object, a hook handle's table (the grader's hooks in it), and a method of the file's called with torch's object
+    # as self to read its internals
+    'file-run-as-torchs-call': 'import torch\n\n\ndef mine(t):\n    return t\n\n\n'
+                               'def run(t):\n    return torch.nn.functional.handle_torch_function(mine, (t,), t)\n',
+    'numpy-over-a-tensors-memory': 'import torch\n\n\ndef keep(a):\n    return a\n\n\n'
+                                   'def run(t):\n    return torch.compiler.wrap_numpy(keep)(t)\n',
+    'backward-of-its-own-through-the-engine': 'import torch\n\n\ndef run(loss):\n'
+                                              '    torch.autograd.Variable._execution_engine.run_backward((loss,), '
+                                              '(None,), False, False, (), True, True)\n',
+    'weakref-callback-run-where-torch-frees': 'import weakref\n\n\ndef look(ref):\n    return ref\n\n\n'
+                                              'def watch(t):\n    return weakref.ref(t, look)\n',
+    'hook-table-of-a-handle': 'import torch\n\n\ndef drop(module):\n'
+                              '    handle = module.register_forward_hook(print)\n    return handle.hooks_dict_ref()\n',
+    'internals-read-with-a-foreign-self': 'import warnings\n\n\nclass Peek:\n    def inside(self):\n'
+                                          '        return self._module\n\n\n'
+                                          'def run():\n    return Peek.inside(warnings.catch_warnings())\n',
+})
+SOURCE_REFUSALS.update({
+    'file-run-as-torchs-call': 'uses `handle_torch_function`',
+    'numpy-over-a-tensors-memory': 'uses `wrap_numpy`',
+    'backward-of-its-own-through-the-engine': 'uses `run_backward`',
+    'weakref-callback-run-where-torch-frees': 'gives `weakref.ref` a callback',
+    'hook-table-of-a-handle': 'uses `.hooks_dict_ref`',
+    'internals-read-with-a-foreign-self': 'uses `._module`',
 })
 SOURCE_REFUSALS.update({
     'torch-module-taken-from-an-attribute-error': 'uses `obj`',

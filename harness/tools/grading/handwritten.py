@@ -32,6 +32,7 @@ import sys
 import typing
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +133,11 @@ ADVICE = {
     # torch calling a Python function of the file per element, inside the call: where the collective log is off
     **dict.fromkeys(("apply_", "map_", "map2_"), "it calls a Python function on each element inside torch's call, "
                     "where the collective log cannot see what it reads: write tensor ops"),
+    # a backward of the file's own through the engine; a function of the file's handed to the function modes as a
+    # call of torch's; numpy arrays over a tensor's memory (what `numpy` itself is refused for)
+    "run_backward": "an FSDP never differentiates: the training loop's loss.backward() runs its hooks",
+    **dict.fromkeys(("handle_torch_function", "wrap_numpy"),
+                    "it runs the file's code as if it were torch's, past what watches torch's calls: call torch"),
     # AttributeError's: the object a lookup failed on, whatever it is (torch's module, handed out as a value)
     "obj": "it is the object a failed lookup was made on (a module of torch's, say): read the exception's message "
            "(str(e)), and name your own attribute otherwise",
@@ -296,7 +302,7 @@ GUARDED_BUILTINS = (*ATTRIBUTE_BUILTINS, "type")  # the loader gives the file it
 # list changed in place past addFilter). Not the API, and not
 # introspected (set in __init__): the file's own attributes take these names only on `self`.
 INTERNAL_ATTRS = {"gen", "_module", "_old_targets", "_new_target", "_exit_callbacks", "manager", "loggerDict", "filters",
-                  "handlers"}
+                  "handlers", "hooks_dict_ref", "extra_dict_ref"}
 CLASS_DECORATORS = (dataclasses.dataclass, functools.total_ordering, enum.unique, typing.final)
 """what may decorate a class of the file: each returns the class it is given (by identity: functools.partial(f) or any
 other wrapper of a function would put f's result under the class's name)"""
@@ -796,10 +802,10 @@ class _Check:
                                "set its fields later)")
             return Outside(f"{where} uses `{name}`: it reaches modules, globals or code objects, which a "
                            "hand-written FSDP does not need; " + _ARGS)
-        if name in INTERNAL_ATTRS and not (isinstance(node, ast.Attribute) and self.on_own_instance(node)):
+        if name in INTERNAL_ATTRS:  # on `self` too: a method of the file's may be called with any object as self
             return Outside(f"{where} uses `.{name}`, an attribute of a standard helper's internals (a context "
                            "manager's generator, warnings' module or filters, logging's manager, a logger's filters and "
-                           "handlers): name your own attribute otherwise")
+                           "handlers, a hook handle's table): name your own attribute otherwise")
         if name in self.names.frames:
             return Outside(f"{where} uses `.{name}`, an attribute of frames, code objects or generators' internals, "
                            "which a hand-written FSDP does not need; " + _ARGS)
@@ -831,11 +837,10 @@ class _Check:
             if isinstance(call, ast.Call) and call.func is node:
                 return Outside(f"{where} calls `{ast.unparse(node)}()`, a typed storage: use x.untyped_storage() and "
                                f"call {_STORAGE_USES} on it {note}")
-            if isinstance(self.resolve(node), types.ModuleType) or self.on_own_instance(node):
-                return None  # the module torch.storage (refused as a module), or the file's own attribute (self in a
-                # method of its class; not any variable so named)
+            if isinstance(self.resolve(node), types.ModuleType):
+                return None  # the module torch.storage (refused as a module)
             return Outside(f"{where} takes `{ast.unparse(node)}`, a tensor's typed storage: use x.untyped_storage() and "
-                           f"call {_STORAGE_USES} on it {note}")
+                           f"call {_STORAGE_USES} on it (and name your own attribute otherwise) {note}")
         if not (isinstance(call, ast.Call) and call.func is node):
             return Outside(f"{where} takes `{ast.unparse(node)}` without calling it: write x.untyped_storage() and call "
                            f"{_STORAGE_USES} on it {note}")
@@ -1385,6 +1390,11 @@ class _Check:
         import torch
 
         resolved = self.resolve(node.func)
+        if resolved in (weakref.ref, weakref.proxy, weakref.WeakMethod, weakref.finalize) and (
+                len(node.args) + len(node.keywords) > 1 or resolved is weakref.finalize):
+            return Outside(f"{where} gives `{ast.unparse(node.func)}` a callback, which Python runs where an object goes, "
+                           "inside whatever torch call freed it, past what watches torch's calls: keep plain weak "
+                           "references (weakref.ref(x)) and do the work where you drop them")
         if isinstance(node.func, ast.Attribute) and node.func.attr == "backward" \
                 or resolved is torch.autograd.grad or resolved is torch.autograd.backward:
             return Outside(f"{where} runs a backward of its own (`{ast.unparse(node.func)}`): an FSDP never "

@@ -639,6 +639,10 @@ class _TorchCalls(TorchFunctionMode):
         log, name = self.log, getattr(func, "__name__", "")
         if log.problems:
             return func(*args, **kwargs)
+        if impl.runs_files_code(func):  # the file's own, handed to the modes as a call of torch's
+            log.problems.append(f"step {log.step} ({_phase()}): {_called_back(func)} is run as a call of torch's, where "
+                                "the log cannot see what it reads: call your code yourself")
+            return func(*args, **kwargs)
         for held in _leaves((args, kwargs)):
             if impl.read_as_data(held):
                 log.problems.append(
