@@ -221,6 +221,9 @@ def plant_kernel_objects_job(key: int, name: str) -> list[int]:
     add_key = {"x86_64": 248, "aarch64": 217}[platform.machine()]
     keys = [libc.syscall(ctypes.c_long(add_key), b"user", name.encode(), b"left", ctypes.c_long(4),
                          ctypes.c_long(ring)) for ring in (-4, -3)]  # KEY_SPEC_USER_KEYRING, KEY_SPEC_SESSION_KEYRING
+    for key_id in keys:  # found by any process of the user, possessed or not (KEYCTL_SETPERM: all to the user)
+        libc.syscall(ctypes.c_long(sandbox.KEYCTL[platform.machine()]), ctypes.c_long(5), ctypes.c_long(key_id),
+                     ctypes.c_long(0x3F3F0000))
     return [shmid, handed, queue, *keys]
 
 
