@@ -6,12 +6,15 @@ from __future__ import annotations
 import __future__
 import ast
 import builtins
+import collections
+import functools
 import hashlib
 import importlib
 import importlib.util
 import operator
 import re
 import sys
+import types
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -343,11 +346,8 @@ def runs_files_code(obj, depth: int = 0) -> bool:
     """Whether torch, handed `obj`, might call code of a file under test: a class of the file or its object (any of
     its methods: `__eq__`, `__hash__`, `__call__`...), a function or generator of the file, or a method, a partial or
     a builtin's method that holds one, an iterator torch would draw from (map, filter, itertools', a weak proxy),
-    a container of Python's holding one. Read by attributes and iteration Python keeps (no code of the file runs)."""
-    import collections
-    import functools
-    import types
-
+    a container of Python's holding one. Read by attributes and iteration Python keeps (no code of the file runs).
+    Asked for every argument of every call of torch's where a file is loaded: its imports are the module's."""
     if depth > 8:  # a wrapper of a wrapper of ...: taken for what it may hold
         return True
     kind = type(obj)  # (by its type, never `isinstance(obj, ...)`: a weak proxy or a lookup hook answers that)
@@ -415,10 +415,6 @@ def read_as_data(obj) -> bool:
     """Whether torch, handed `obj`, would run code of a file under test to read it (its class's READ_AS_DATA)."""
     return type(obj) in _READ_AS_DATA
 
-
-def any_read_as_data() -> bool:
-    """Whether a file under test in this process made any class that torch would read by the file's code."""
-    return len(_READ_AS_DATA) > 0
 
 
 def _check_made(made, name: str) -> None:
