@@ -378,6 +378,12 @@ def runs_files_code(obj, depth: int = 0) -> bool:
         return not issubclass(type(held), ModuleType) and runs_files_code(held, depth + 1)
     if kind is functools.partial:
         return any(runs_files_code(v, depth + 1) for v in (obj.func, *obj.args, *obj.keywords.values()))
+    if kind in (staticmethod, classmethod):  # callable since Python 3.10
+        return runs_files_code(obj.__func__, depth + 1)
+    if kind is slice:  # its bounds read by their __index__
+        return any(runs_files_code(v, depth + 1) for v in (obj.start, obj.stop, obj.step))
+    if hasattr(kind, "__next__") and kind.__module__.split(".")[0] != "torch":  # any other iterator: a list's too
+        return True
     # any other callable that is neither torch's nor a builtin (functools.cmp_to_key's wrapper, say) may hold one
     return callable(obj) and not issubclass(kind, type) and not kind.__module__.split(".")[0] in ("torch", "builtins")
 

@@ -985,9 +985,10 @@ def test_what_torch_could_call_back_is_the_files_code_only(tmp_path):
                   "a class": m.Shape, "a method": looks.__eq__, "a list's method": [looks].__contains__,
                   "map": map(m.fn, [1]), "an itertools chain": itertools.chain([1]), "a weak proxy": weakref.proxy(prop),
                   "a deque": collections.deque([looks]), "a dict's values": {"a": looks}.values(),
-                  "a defaultdict": collections.defaultdict(m.fn), "a ChainMap": collections.ChainMap({"a": looks})}
+                  "a defaultdict": collections.defaultdict(m.fn), "a ChainMap": collections.ChainMap({"a": looks}),
+                  "a list's iterator": iter([looks]), "a staticmethod": staticmethod(m.fn), "a slice": slice(looks, None)}
     data = {"Shape": m.Shape(2, 3), "Kind.A": m.Kind.A, "torch.add": torch.add, "3": 3, "a tensor": torch.ones(1),
             "a deque of numbers": collections.deque([1, 2]), "an OrderedDict": collections.OrderedDict(a=1),
-            "torch.Size": torch.Size([2]), "a dtype": torch.float32}
+            "torch.Size": torch.Size([2]), "a dtype": torch.float32, "a slice of numbers": slice(1, None)}
     assert [k for k, v in calls_back.items() if not impl.runs_files_code(v)] == []
     assert [k for k, v in data.items() if impl.runs_files_code(v)] == []
