@@ -483,6 +483,11 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
         "            torch.nn.functional.unfold(torch.zeros(1, 1, 2, 2),\n"
         "                                       kernel_size=map(lambda n: n + 0 * len(str(flat[:2])), [1, 1]))\n")],
+    # ... or by objects of the file's in a list's iterator, which torch draws the sizes from
+    "read-all-gather-output-through-a-lists-iterator": [(
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+        "            torch.nn.functional.unfold(torch.zeros(1, 1, 2, 2), kernel_size=iter([1, 1]))\n")],
     # ... or in a class dataclass made anew (slots=True), past the guard of class statements that marks such classes
     "read-all-gather-output-in-a-slots-dataclass-torch-reads": [
         ("\ndef fully_shard(", "\n@dataclass(slots=True)\nclass _Size:\n    n: int\n\n"

@@ -76,7 +76,8 @@ def test_output_read_before_its_wait_fails(mutant, pool2):
     ("read-all-gather-output-in-a-sequence-torch-reads", r"torch's zeros is handed a _Size, which torch reads by the"),
     ("read-all-gather-output-in-a-slots-dataclass-torch-reads", r"torch's zeros is handed a _Size, which torch reads by"),
     ("read-all-gather-output-in-a-callback", r"torch's interpolate is handed a _Look, which torch may call"),
-    ("read-all-gather-output-through-a-map", r"torch's unfold is handed a map, which torch may call")])
+    ("read-all-gather-output-through-a-map", r"torch's unfold is handed a map, which torch may call"),
+    ("read-all-gather-output-through-a-lists-iterator", r"torch's unfold is handed a list_iterator, which torch may")])
 def test_output_read_where_the_dispatcher_does_not_show_it_fails(mutant, pool2, name, message):
     """The same read by code that runs past the dispatcher (printing, torch.tensor of its elements, whatever sequence
     holds them): the log's function mode names it ([Note: reads the dispatcher does not show] in jobs.py)."""
