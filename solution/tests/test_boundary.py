@@ -178,17 +178,20 @@ while time.monotonic() < end:
 """
 
 
-def beats(path: Path) -> bool:
-    """Whether a chain writes its heart beat to `path` (within half a second)."""
+def beats(path: Path, within: float = 0.5) -> bool:
+    """Whether a chain writes its heart beat to `path`: a beat seen to change within `within` seconds."""
     def read() -> str:
         try:
             return path.read_text()
         except OSError:
             return ""
 
-    first = read()
-    time.sleep(0.5)
-    return read() not in ("", first)
+    first, end = read(), time.monotonic() + within
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        if read() not in ("", first):
+            return True
+    return False
 
 
 def plant_ipc_job(key: int, path: str) -> int:
@@ -576,10 +579,11 @@ def test_a_chain_of_processes_does_not_outlive_its_pool():
     pool = RankPool(2, role="sandboxed")
     try:
         pool.run(fork_chain_job, str(beat), timeout=60)
-        assert beats(beat), "the chain is not running"
+        # the chain's first process starts a Python after the job returns: on a loaded machine that takes a while
+        assert beats(beat, within=30), "the chain is not running"
     finally:
         pool.close()
-    assert not beats(beat), "the chain outlived its pool"
+    assert not beats(beat, within=1), "the chain outlived its pool"
 
 
 @as_root
