@@ -7,6 +7,7 @@ import __future__
 import ast
 import builtins
 import collections
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -86,7 +87,7 @@ def load(impl: str) -> ModuleType:
         # `except ... as setattr` does when its block ends) falls back to them, not to Python's
         module.__dict__.update(guards, __builtins__={**vars(builtins), **guards},
                                **{_STORE: store, _DELETE: delete, _CLASS: _class_of(guarded_type),
-                                  "__effdl_operator__": operator})
+                                  "__effdl_operator__": operator, _HERE: _here, _BACK: _back})
         sys.modules[name] = module
         _FILES_GLOBALS.append(module.__dict__)
         guard_enum_api()
@@ -126,6 +127,11 @@ def _guarded(builtin, own: str):
                      property, staticmethod, classmethod, types.FrameType, types.TracebackType, types.CodeType,
                      types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType, types.CellType)
 
+    # a module's own tables (its parameters, submodules, hooks: the grader's hooks on the model's blocks among them)
+    # and its private machinery (`_call_impl`, which runs them)
+    module_state = frozenset(vars(torch.nn.Module())) | {
+        n for n in dir(torch.nn.Module) if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))}
+
     def refused(obj, name, why: str) -> TypeError:  # the call as the file wrote it, only when refused
         shown = obj if isinstance(obj, not_instances) else type(obj).__name__
         return TypeError(f"{builtin.__name__}({shown!r}, {name!r}, ...): {why}")
@@ -139,6 +145,15 @@ def _guarded(builtin, own: str):
         if len(name) > 2 and name[0] == name[-1] == "_" and name[1] != "_" and name[-2] != "_":
             raise refused(obj, name, f"a file under test writes no {name} (enum's bookkeeping and hooks are named so: "
                           "`_member_names_`, `_missing_`); name your attribute otherwise")
+        if isinstance(obj, torch.nn.Module) and name in module_state:
+            raise refused(obj, name, "a file under test replaces none of a module's own tables (its parameters, "
+                          "buffers, submodules, hooks, training flag) or private methods: use nn.Module's API (register_parameter, "
+                          "register_forward_pre_hook, ...) and name your own attributes otherwise")
+        if isinstance(obj, torch.Tensor) and name[:1] == "_" \
+                and inspect.getattr_static(type(obj), name, None) is not None:
+            raise refused(obj, name, "a file under test writes none of a tensor's internals (its hooks, autograd's "
+                          "state, a DTensor's local tensor and spec): use the tensor's API and name your own "
+                          "attributes otherwise")
         if isinstance(obj, torch.Tensor) and callable(inspect.getattr_static(type(obj), name, None)):
             raise refused(obj, name, "a file under test sets no attribute named as a method of the tensor's class (the "
                           "collective log and torch call it on that tensor): name your attribute otherwise")
@@ -351,6 +366,8 @@ def runs_files_code(obj, depth: int = 0) -> bool:
     if depth > 8:  # a wrapper of a wrapper of ...: taken for what it may hold
         return True
     kind = type(obj)  # (by its type, never `isinstance(obj, ...)`: a weak proxy or a lookup hook answers that)
+    if _INERT.get(id(kind)) is kind:  # a tensor, a number, a dtype...: known by its type alone (no hash of it run)
+        return False
     if kind in _LAZY or kind.__module__ == "itertools":
         return True
     if issubclass(kind, type) and obj in _MADE:  # called, it runs the file's __init__
@@ -385,13 +402,22 @@ def runs_files_code(obj, depth: int = 0) -> bool:
     if hasattr(kind, "__next__") and kind.__module__.split(".")[0] != "torch":  # any other iterator: a list's too
         return True
     # any other callable that is neither torch's nor a builtin (functools.cmp_to_key's wrapper, say) may hold one
-    return callable(obj) and not issubclass(kind, type) and not kind.__module__.split(".")[0] in ("torch", "builtins")
+    if callable(obj) and not issubclass(kind, type) and not kind.__module__.split(".")[0] in ("torch", "builtins"):
+        return True
+    # Each test above that this object passed reads its type only: so does any other object of this type, but a class
+    # (whether it is the file's is the object's own) and the file's classes (`_holds_files_code` reads them as they are).
+    if not issubclass(kind, type) and kind not in _MADE:
+        _INERT[id(kind)] = kind
+    return False
 
 
 _LAZY = (map, filter, zip, enumerate, reversed, type(iter(lambda: 0, 1)), weakref.ProxyType, weakref.CallableProxyType)
 """what torch, drawing from it or reading it, makes run code it holds"""
 _VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 _CODE_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_INERT: dict[int, type] = {}
+"""id(type) -> type: the types whose objects runs_files_code found to hold no code (by id, the type kept alive: no
+type's `__hash__` or `__eq__` runs to look one up)"""
 
 
 def _holds_files_code(kind: type) -> bool:
@@ -410,16 +436,28 @@ def _holds_files_code(kind: type) -> bool:
 
 
 def _held_by(container) -> list:
-    """A builtin container's items, read by its base type's own methods (never a subclass's)."""
+    """A builtin container's items (a dict's keys and values), read by its base type's own methods (never a
+    subclass's)."""
     for base in (dict, list, tuple, set, frozenset):
         if issubclass(type(container), base):
-            return list(base.values(container)) if base is dict else list(base.__iter__(container))
+            return [*dict.keys(container), *dict.values(container)] if base is dict else list(base.__iter__(container))
     return []
+
+
+def inert(values) -> bool:
+    """Whether each of `values` is of a type runs_files_code found to hold no code (a tensor, a number...): the common
+    case of a call's arguments, told with no walk through them."""
+    for value in values:
+        kind = type(value)
+        if _INERT.get(id(kind)) is not kind:
+            return False
+    return True
 
 
 def read_as_data(obj) -> bool:
     """Whether torch, handed `obj`, would run code of a file under test to read it (its class's READ_AS_DATA)."""
-    return type(obj) in _READ_AS_DATA
+    kind = type(obj)
+    return _INERT.get(id(kind)) is not kind and kind in _READ_AS_DATA  # (no class in _INERT is the file's)
 
 
 
@@ -652,9 +690,109 @@ _INPLACE = {ast.Add: "iadd", ast.Sub: "isub", ast.Mult: "imul", ast.MatMult: "im
             ast.BitAnd: "iand", ast.BitOr: "ior", ast.BitXor: "ixor"}
 
 
+# [Note: where the file's code runs]
+# The collective log's function mode sees the file's calls of torch's API; torch runs the mode's handler with the mode
+# off, so whatever code of the file torch runs inside a call (an object's `__index__` or `__eq__` it reads, an iterator
+# it draws from, a generator's `finally` when torch frees it, a hash a weak dictionary takes) runs unseen: a read of a
+# pending collective's output there is no read to the log. Which objects torch may call back is a question without end
+# (runs_files_code answers it for what a file is likely to hand torch); where the file's code runs is not. So every
+# place the file's code starts or resumes running calls `__effdl_here__()` first: a function's body, a lambda's, an
+# except or finally block (what a closed generator runs), a comprehension's expressions, the point after each yield
+# and await. The call asks the watcher (the log's mode, while it is on: `watching`) whether it runs inside a call of
+# torch's it handles: there it is a problem. The file cannot name the call or avoid it (dunders are refused).
+_HERE, _BACK = "__effdl_here__", "__effdl_back__"
+_WATCHERS: list = []
+
+
+@contextlib.contextmanager
+def watching(watcher):
+    """While on, `watcher()` is called wherever the file's code starts or resumes running ([Note: where the file's
+    code runs])."""
+    _WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(watcher)
+
+
+def _here() -> None:
+    for watcher in _WATCHERS:
+        watcher()
+
+
+def _back(value):
+    """What a yield or an await gave the file's code, resuming: after the watcher was asked."""
+    _here()
+    return value
+
+
+class _MarkRuns(ast.NodeTransformer):
+    """`__effdl_here__()` first wherever the file's code starts or resumes running ([Note: where the file's code
+    runs]). Line numbers stay the file's."""
+
+    def here(self, at: ast.AST) -> ast.Call:
+        return ast.copy_location(ast.Call(ast.Name(_HERE, ast.Load()), [], []), at)
+
+    def first(self, body: list[ast.stmt], at: ast.AST) -> list[ast.stmt]:
+        call = ast.copy_location(ast.Expr(self.here(at)), at)
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):  # after a docstring, which stays one
+            return [body[0], call, *body[1:]]
+        return [call, *body]
+
+    def before(self, expr: ast.expr) -> ast.expr:
+        """`(__effdl_here__(), expr)[1]`: the watcher asked, then expr."""
+        pair = ast.copy_location(ast.Tuple([self.here(expr), expr], ast.Load()), expr)
+        return ast.copy_location(ast.Subscript(pair, ast.Constant(1), ast.Load()), expr)
+
+    def visit_FunctionDef(self, node):
+        self.generic_visit(node)
+        node.body = self.first(node.body, node)
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Lambda(self, node):
+        self.generic_visit(node)
+        node.body = self.before(node.body)
+        return node
+
+    def visit_ExceptHandler(self, node):
+        self.generic_visit(node)
+        node.body = self.first(node.body, node)
+        return node
+
+    def visit_Try(self, node):
+        self.generic_visit(node)
+        if node.finalbody:
+            node.finalbody = self.first(node.finalbody, node.finalbody[0])
+        return node
+
+    visit_TryStar = visit_Try
+
+    def resumed(self, node):
+        self.generic_visit(node)
+        return ast.copy_location(ast.Call(ast.Name(_BACK, ast.Load()), [node], []), node)
+
+    visit_Yield = visit_YieldFrom = visit_Await = resumed
+
+    def comprehension(self, node):
+        self.generic_visit(node)
+        if isinstance(node, ast.DictComp):
+            node.key = self.before(node.key)
+        else:
+            node.elt = self.before(node.elt)
+        for generator in node.generators:
+            generator.ifs = [self.before(condition) for condition in generator.ifs]
+        return node
+
+    visit_GeneratorExp = visit_ListComp = visit_SetComp = visit_DictComp = comprehension
+
+
 def _guarded_code(path: Path):
-    """The file's code with its attribute writes through the guard (_GuardStores)."""
-    tree = _GuardStores().visit(ast.parse(path.read_text(), filename=str(path)))
+    """The file's code with its attribute writes through the guard (_GuardStores), and the watcher asked wherever it
+    runs (_MarkRuns)."""
+    tree = _MarkRuns().visit(_GuardStores().visit(ast.parse(path.read_text(), filename=str(path))))
     # annotations stay text, on purpose and not by impl.py's own future import: evaluated, one hands the file a
     # class as a value where the source check reads an annotation (dataclasses.fields(C)[0].type)
     return compile(ast.fix_missing_locations(tree), str(path), "exec", flags=__future__.annotations.compiler_flag,

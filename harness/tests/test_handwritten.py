@@ -876,6 +876,113 @@ def test_loader_refuses_a_tensor_method_shadowed_by_a_computed_name(tmp_path):
     assert module.t._fsdp_tag == 1 and module.p.grad is not None
 
 
+def test_loader_refuses_a_modules_tables_and_a_tensors_internals_by_a_computed_name(tmp_path):
+    """No attribute write of the file replaces a module's own tables (its hooks: the grader's among them) or a tensor's
+    internals (its gradient hooks), however the name is computed; the file's own names on both are its to write."""
+    from harness import impl
+
+    head = "import torch\n\n\ndef fully_shard(m):\n    return m\n\n\nclass MixedPrecisionPolicy:\n    pass\n\n\n" \
+           "m = torch.nn.Linear(1, 1)\np = torch.nn.Parameter(torch.ones(1))\n"
+    for n, (body, refusal) in enumerate([
+            ("setattr(m, '_forward' + '_hooks', {})\n", "replaces none of a module's own tables"),
+            ("delattr(m, '_forward_pre' + '_hooks')\n", "replaces none of a module's own tables"),
+            ("setattr(m, 'train' + 'ing', False)\n", "replaces none of a module's own tables"),
+            ("setattr(m, '_call' + '_impl', print)\n", "replaces none of a module's own tables"),
+            ("setattr(p, '_backward' + '_hooks', {})\n", "writes none of a tensor's internals")]):
+        bent = tmp_path / f"tables{n}.py"
+        bent.write_text(head + body)
+        assert handwritten.static_problem(bent) is None  # a computed name: the loader's to refuse
+        with pytest.raises(TypeError, match=refusal):
+            impl.load(str(bent))
+    honest = tmp_path / "own_names.py"
+    honest.write_text(head + "setattr(m, '_fsdp_' + 'state', 1)\nsetattr(m, 'wei' + 'ght', p)\n"
+                             "setattr(p, '_fsdp_' + 'tag', 2)\n")
+    module = impl.load(str(honest))
+    assert module.m._fsdp_state == 1 and module.m.weight is module.p and module.p._fsdp_tag == 2
+
+
+RUNS_INSIDE = """import weakref
+
+import torch
+
+
+def fully_shard(m):
+    return m
+
+
+class MixedPrecisionPolicy:
+    pass
+
+
+class Peek:
+    def __init__(self):
+        self.runs = 0
+
+    def __index__(self):
+        self.runs += 1
+        return 1
+
+
+def peeks():
+    return [Peek(), Peek()]
+
+
+def in_torch(ps):
+    torch.nn.functional.unfold(torch.zeros(1, 1, 2, 2), kernel_size=weakref.WeakSet(ps))
+
+
+def here(ps):
+    return [p.__index__() for p in ps]
+
+
+def waiting(ps):
+    try:
+        yield
+    finally:
+        ps[0].runs += 1
+
+
+def put(t, grad):
+    t.grad = grad  # in a frame of its own: the loader's rewrite holds the value in a temporary of the frame
+
+
+def hang(t, gen):
+    t.grad.later = gen  # the same
+
+
+def closed_in_torch(ps):
+    holder = torch.zeros(1, requires_grad=True)
+    put(holder, torch.zeros(1))
+    gen = waiting(ps)
+    next(gen)
+    hang(holder, gen)
+    del gen
+    put(holder, torch.zeros(1))  # the old gradient's last reference goes inside torch's setter of .grad
+"""
+
+
+@pytest.mark.parametrize("call", ["in_torch", "closed_in_torch"])
+def test_the_files_code_run_inside_a_call_of_torchs_is_named(tmp_path, call):
+    """Code of the file that torch runs inside one of its calls (an object it draws from a carrier no walk of the
+    arguments looks into, a generator closed where torch frees it) runs with the log's function mode off: the place
+    it runs asks the log, which names it ([Note: where the file's code runs] in impl.py); the same code run by the
+    file itself is not named (the control)."""
+    from harness import impl
+    from harness.tools.grading import jobs
+
+    path = tmp_path / "runs_inside.py"
+    path.write_text(RUNS_INSIDE)
+    m = impl.load(str(path))
+    ps = m.peeks()
+    log = jobs.CommLog()
+    with log:
+        m.here(ps)
+        assert log.problems == []
+        getattr(m, call)(ps)
+    assert ps[0].runs >= 2
+    assert len(log.problems) == 1 and "code of the file ran inside torch's" in log.problems[0], log.problems
+
+
 def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):
     """The class of a class reached where the source check cannot tell it is one (a variable) is the loader's
     guarded type ([Note: classes a file under test makes at run time]): a Tensor subclass or a namespace with a
@@ -986,7 +1093,8 @@ def test_what_torch_could_call_back_is_the_files_code_only(tmp_path):
                   "map": map(m.fn, [1]), "an itertools chain": itertools.chain([1]), "a weak proxy": weakref.proxy(prop),
                   "a deque": collections.deque([looks]), "a dict's values": {"a": looks}.values(),
                   "a defaultdict": collections.defaultdict(m.fn), "a ChainMap": collections.ChainMap({"a": looks}),
-                  "a list's iterator": iter([looks]), "a staticmethod": staticmethod(m.fn), "a slice": slice(looks, None)}
+                  "a list's iterator": iter([looks]), "a staticmethod": staticmethod(m.fn), "a slice": slice(looks, None),
+                  "a dict's keys": {looks: 1}}
     data = {"Shape": m.Shape(2, 3), "Kind.A": m.Kind.A, "torch.add": torch.add, "3": 3, "a tensor": torch.ones(1),
             "a deque of numbers": collections.deque([1, 2]), "an OrderedDict": collections.OrderedDict(a=1),
             "torch.Size": torch.Size([2]), "a dtype": torch.float32, "a slice of numbers": slice(1, None)}

@@ -304,3 +304,26 @@ def test_probes_see_a_block_whose_parameters_are_gathered_inside_its_layers():
         assert not probes[early].problems, probes[early].problems
     finally:
         dist.destroy_process_group()
+
+
+def test_probes_name_a_block_whose_hooks_did_not_run():
+    """Probes check, step by step, that every block ran their hooks (a forward that skipped them, its parameters'
+    gathering and freeing unseen, is named); a block called as a module is not named (the control)."""
+    from torch import nn
+
+    from harness.tools.grading.jobs import Probes
+
+    def model():
+        m = nn.Module()
+        m.layers = nn.ModuleList([nn.Linear(4, 4)])
+        return m
+
+    called, skipped = model(), model()
+    probes = {m: Probes(m, reshard_after_forward=False) for m in (called, skipped)}
+    called.layers[0](torch.ones(2, 4))
+    skipped.layers[0].forward(torch.ones(2, 4))  # its hooks never run
+    for p in probes.values():
+        p.after_step(1)
+    assert not any("did not run" in p for p in probes[called].problems), probes[called].problems
+    assert any("forward hooks on layers.0 (pre), layers.0 (post) did not run" in p for p in probes[skipped].problems), \
+        probes[skipped].problems

@@ -495,6 +495,35 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
          "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
          "            torch.zeros(_Size(1))\n")],
+    # ... or by objects torch draws from a carrier no walk of a call's arguments looks into (a weak set of the file's
+    # objects, whose __index__ torch's argument parser calls): the code runs inside torch's call, where it is named
+    "read-all-gather-output-through-a-weak-set": [
+        ("\ndef fully_shard(", "\nclass _Peek:\n    def __init__(self, out):\n        self.out = out\n\n"
+                               "    def __index__(self):\n        str(self.out[:2])\n        return 1\n\n\n"
+                               "def fully_shard("),
+        ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+         "            peeks = [_Peek(flat), _Peek(flat)]\n"
+         "            torch.nn.functional.unfold(torch.zeros(1, 1, 2, 2), kernel_size=weakref.WeakSet(peeks))\n")],
+    # ... or in a generator's finally, which runs where its last reference goes: inside torch's setter of .grad
+    "read-all-gather-output-in-a-generators-finally": [
+        ("\ndef fully_shard(", "\ndef _peek(out):\n    try:\n        yield\n    finally:\n        str(out[:2])\n\n\n"
+                               "def _put(t, grad):\n    t.grad = grad\n\n\n"
+                               "def _hang(t, peek):\n    t.grad.later = peek\n\n\ndef fully_shard("),
+        ("            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+         "            holder = torch.zeros(1, requires_grad=True)\n"
+         "            _put(holder, torch.zeros(1))\n"
+         "            peek = _peek(flat)\n"
+         "            next(peek)\n"
+         "            _hang(holder, peek)\n"
+         "            del peek\n"
+         "            _put(holder, torch.zeros(1))\n")],
+    # ... or through a DTensor made over it, formatted: DTensor's repr prints its local tensor with every mode off
+    "read-all-gather-output-through-a-dtensor-formatted": [(
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+        "            f\"{DTensor.from_local(flat, self.params[0].mesh, [Replicate()], run_check=False)}\"\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",

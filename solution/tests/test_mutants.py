@@ -77,7 +77,10 @@ def test_output_read_before_its_wait_fails(mutant, pool2):
     ("read-all-gather-output-in-a-slots-dataclass-torch-reads", r"torch's zeros is handed a _Size, which torch reads by"),
     ("read-all-gather-output-in-a-callback", r"torch's interpolate is handed a _Look, which torch may call"),
     ("read-all-gather-output-through-a-map", r"torch's unfold is handed a map, which torch may call"),
-    ("read-all-gather-output-through-a-lists-iterator", r"torch's unfold is handed a list_iterator, which torch may")])
+    ("read-all-gather-output-through-a-lists-iterator", r"torch's unfold is handed a list_iterator, which torch may"),
+    ("read-all-gather-output-through-a-weak-set", r"code of the file ran inside torch's unfold"),
+    ("read-all-gather-output-in-a-generators-finally", r"code of the file ran inside torch's .*__set__"),
+    ("read-all-gather-output-through-a-dtensor-formatted", r"torch's Tensor.__format__ reads the output of an asynch")])
 def test_output_read_where_the_dispatcher_does_not_show_it_fails(mutant, pool2, name, message):
     """The same read by code that runs past the dispatcher (printing, torch.tensor of its elements, whatever sequence
     holds them): the log's function mode names it ([Note: reads the dispatcher does not show] in jobs.py)."""

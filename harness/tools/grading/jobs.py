@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 import train
 from harness import assets, impl, memory, memory_model, model_setup
@@ -85,23 +85,35 @@ _COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_d
 _MOVE_NOTHING = ("wait_tensor", "wait", "_wrap_tensor_autograd")
 
 
-def _leaves(value):
+def _leaves(value) -> list:
     """What an op's arguments hold, through lists, tuples and dicts, and each of their subclasses' objects itself:
     read by list's, tuple's and dict's own methods, never by a subclass's (a file's NamedTuple with an `__iter__`
-    would run its code where the log cannot see it)."""
-    if type(value) not in (list, tuple, dict) and isinstance(value, (list, tuple, dict)):
-        yield value
+    would run its code where the log cannot see it). Asked for every call of torch's where a file is loaded: one
+    list, filled by one function, no generator per level."""
+    found: list = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value, found: list) -> None:
+    kind = type(value)
+    if kind is tuple or kind is list:  # the common case, by identity (no subclass check)
+        for v in kind.__iter__(value):
+            _collect(v, found)
+        return
+    if kind is not dict and isinstance(value, (list, tuple, dict)):
+        found.append(value)
     if isinstance(value, list):
         for v in list.__iter__(value):
-            yield from _leaves(v)
+            _collect(v, found)
     elif isinstance(value, tuple):
         for v in tuple.__iter__(value):
-            yield from _leaves(v)
+            _collect(v, found)
     elif isinstance(value, dict):
         for v in dict.values(value):
-            yield from _leaves(v)
+            _collect(v, found)
     else:
-        yield value
+        found.append(value)
 
 
 def _tensors(value):
@@ -130,6 +142,17 @@ def _followed(t: torch.Tensor) -> bool:
     an uninitialized one: each reads and writes memory as a plain tensor). A DTensor's ops come back to the log as
     its local tensors'."""
     return type(t).__torch_dispatch__ is _NO_DISPATCH
+
+
+def _memory_of(t: torch.Tensor) -> list[torch.Tensor]:
+    """The followed tensors whose memory `t` reads: itself, or those a tensor subclass wraps (a DTensor's local
+    tensor), which torch's Python reads past their ops (a DTensor formatted prints its local tensor, every mode off)."""
+    if _followed(t):
+        return [t]
+    if not is_traceable_wrapper_subclass(t):
+        return []
+    names, _ = t.__tensor_flatten__()
+    return [m for name in names for m in _memory_of(getattr(t, name))]
 
 # [Note: a collective's result read before its wait]
 # An op that reads what an asynchronous all-gather, reduce-scatter or all-reduce writes before its work
@@ -597,6 +620,7 @@ class _TorchCalls(TorchFunctionMode):
     def __init__(self, log: CommLog):
         super().__init__()
         self.log = log
+        self.handling: list = []  # the calls of torch's this mode is handling (itself off), innermost last
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.backward:  # run with this mode on: a collection there is seen as any other code
@@ -606,11 +630,26 @@ class _TorchCalls(TorchFunctionMode):
         collecting = gc.isenabled()
         if collecting:
             gc.disable()
+        self.handling.append(func)
         try:
             return self._judged(func, args, kwargs or {})
         finally:
+            self.handling.pop()
             if collecting:
                 gc.enable()
+
+    def file_code_runs(self) -> None:
+        """Asked wherever the file's code starts or resumes running ([Note: where the file's code runs], impl.py):
+        inside a call of torch's this mode handles (so off: not on torch's stack of modes), a problem."""
+        if self.log.problems or not self.handling or any(
+                torch._C._get_function_stack_at(i) is self for i in range(torch._C._len_torch_function_stack())):
+            return
+        func = self.handling[-1]
+        self.log.problems.append(
+            f"step {self.log.step} ({_phase()}): code of the file ran inside torch's "
+            f"{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))} (torch called it back: an object, "
+            "iterator or generator of the file's handed to it, or freed there), where the log cannot see what it "
+            "reads: hand torch tensors, numbers and torch's own objects, and run your code yourself")
 
     def _backward(self, args, kwargs):
         """Tensor.backward, as torch.autograd.backward runs it, with this mode on while the engine runs the file's
@@ -643,7 +682,7 @@ class _TorchCalls(TorchFunctionMode):
             log.problems.append(f"step {log.step} ({_phase()}): {_called_back(func)} is run as a call of torch's, where "
                                 "the log cannot see what it reads: call your code yourself")
             return func(*args, **kwargs)
-        for held in _leaves((args, kwargs)):
+        for held in () if impl.inert(args) and impl.inert(kwargs.values()) else _leaves((args, kwargs)):
             if impl.read_as_data(held):
                 log.problems.append(
                     f"step {log.step} ({_phase()}): torch's {name} is handed a {type(held).__qualname__}, which torch "
@@ -667,7 +706,7 @@ class _TorchCalls(TorchFunctionMode):
             return func(*args, **kwargs)
         # only tensors in the memory of a pending output (its storage's), each read at most once per call
         held = log.pending_storages()
-        given = [t for t in _tensors((args, kwargs)) if _followed(t) and t.untyped_storage().data_ptr() in held]
+        given = [m for t in _tensors((args, kwargs)) for m in _memory_of(t) if m.untyped_storage().data_ptr() in held]
         if not given:
             return func(*args, **kwargs)
         what = f"torch's {getattr(func, '__qualname__', name)}"
@@ -676,7 +715,8 @@ class _TorchCalls(TorchFunctionMode):
         except BaseException:  # what it read, it read (an error can tell what it found)
             log.read_pending(given, what)
             raise
-        log.read_pending(given, what, [r for t in _tensors(out) if _followed(t) and (r := _extent(t))])  # unless a view
+        # unless what it returns is a view
+        log.read_pending(given, what, [r for t in _tensors(out) for m in _memory_of(t) if (r := _extent(m))])
         return out
 
 
@@ -760,7 +800,8 @@ class CommLog(TorchDispatchMode):
             # not in a rank that trains FSDP2 only: torch's own code there needs no such eye, and the function mode
             # costs Python on every call
             if not impl.files_refused():
-                entered.enter_context(_TorchCalls(self))
+                calls = entered.enter_context(_TorchCalls(self))
+                entered.enter_context(impl.watching(calls.file_code_runs))
             out = super().__enter__()
             self._entered = entered.pop_all()
         return out
@@ -925,6 +966,8 @@ class Probes:
         self.grads: dict[str, list[weakref.ref]] = {}
         self._hooked: set[int] = set()
         self._sharded_at_forward: set[str] = set()
+        self.blocks: list[str] = []
+        self.ran: set[tuple[str, str]] = set()  # (block, "pre" or "post") since the last step
         for name, block in model.layers.named_children():
             self._probe(f"layers.{name}", block, reshard_after_forward)
 
@@ -936,6 +979,7 @@ class Probes:
         # Registered after fully_shard: the pre-hook runs after FSDP's (prepended) pre-forward,
         # the post-hook after FSDP's post-forward.
         def pre(module, args):
+            self.ran.add((name, "pre"))
             full = [p for p in module.parameters() if not isinstance(p, DTensor)]
             if not full and any(True for _ in module.parameters()) and name not in self._sharded_at_forward:
                 # FSDP2 gathers a block's parameters in its pre-forward; gathered inside its layers instead,
@@ -950,14 +994,22 @@ class Probes:
                     p.register_hook(lambda g, n=name: self.grads.setdefault(n, []).append(weakref.ref(g)) or g)
 
         def post(module, args, output):
+            self.ran.add((name, "post"))
             if reshard_after_forward and (n := self.alive(self.gathered.get(name, []))):
                 self.problems.append(f"{name}: {n / 2**20:.2f} MiB of gathered parameters still alive after its "
                                      "forward (reshard_after_forward=True: free them in post-forward)")
 
         block.register_forward_pre_hook(pre)
         block.register_forward_hook(post)
+        self.blocks.append(name)
 
     def after_step(self, step: int) -> None:
+        # every block ran forward in the step, and each of these hooks with it: else what they check went unseen
+        if missed := [f"{name} ({hook})" for name in self.blocks for hook in ("pre", "post")
+                      if (name, hook) not in self.ran]:
+            self.problems.append(f"step {step}: the grader's forward hooks on {', '.join(missed)} did not run (a "
+                                 "block's forward must run its hooks: call the block, and leave its hook tables be)")
+        self.ran.clear()
         if not self.gathered:
             self.problems.append(f"step {step}: no block computed with full (non-DTensor) parameters")
         for name, refs in self.gathered.items():
