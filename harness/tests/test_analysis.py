@@ -470,8 +470,9 @@ def test_marked_waits_routes_the_gates_only_inside():
     held = gates()
     plain = {route: schedule.current(route) for route in held}
     with pytest.raises(RuntimeError, match="training failed"), schedule.marked_waits():
-        # every gate but the storage's resize (the collective log's, below)
-        assert [route for route in held if schedule.current(route) is plain[route]] == ["UntypedStorage.resize_"]
+        # every gate but the collective log's (below): the storage's resize, and a tensor's printing and values
+        assert [route for route in held if schedule.current(route) is plain[route]] == [
+            "UntypedStorage.resize_", "_tensor_str._str", "Tensor.tolist", "Tensor.numpy"]
         assert gates() == held
         raise RuntimeError("training failed")
     assert {route: schedule.current(route) for route in held} == plain and gates() == held
@@ -493,6 +494,10 @@ def test_collective_log_routes_the_gates_only_inside():
         assert gates() == held
         raise RuntimeError("training failed")
     assert {name: schedule.current(f"Work.{name}") for name in plain} == plain and gates() == held
+    reads = {route: schedule.current(route) for route in ("_tensor_str._str", "Tensor.tolist", "Tensor.numpy")}
+    with CommLog():  # a tensor's printing and values, whose reads past the dispatcher the log names
+        assert [route for route, plain_read in reads.items() if schedule.current(route) is plain_read] == []
+    assert {route: schedule.current(route) for route in reads} == reads
     resize = schedule.current("UntypedStorage.resize_")
     with CommLog():  # the storage's resize only where the data is followed (a mark)
         assert schedule.current("UntypedStorage.resize_") is resize

@@ -524,6 +524,15 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
         "            f\"{DTensor.from_local(flat, self.params[0].mesh, [Replicate()], run_check=False)}\"\n")],
+    # ... or in a set handed to torch, which formats it into an error message: no walk of a call's arguments finds it,
+    # and torch prints a tensor with every mode off
+    "read-all-gather-output-in-a-set-torch-prints": [(
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",
+        "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n"
+        "            try:\n"
+        "                torch.nn.functional.interpolate(torch.zeros(1, 1, 2), size=[{flat}, 0])\n"
+        "            except ValueError:  # its message holds the values\n"
+        "                pass\n")],
     # A blocking all-gather: the main thread waits inside the issue (FSDP2's own choice on CPU).
     "blocking-all-gather": [(
         "            work = dist.all_gather_into_tensor(flat, mine, group=self.process_group, async_op=True)\n",

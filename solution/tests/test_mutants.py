@@ -80,7 +80,8 @@ def test_output_read_before_its_wait_fails(mutant, pool2):
     ("read-all-gather-output-through-a-lists-iterator", r"torch's unfold is handed a list_iterator, which torch may"),
     ("read-all-gather-output-through-a-weak-set", r"code of the file ran inside torch's unfold"),
     ("read-all-gather-output-in-a-generators-finally", r"code of the file ran inside torch's .*__set__"),
-    ("read-all-gather-output-through-a-dtensor-formatted", r"torch's Tensor.__format__ reads the output of an asynch")])
+    ("read-all-gather-output-through-a-dtensor-formatted", r"reads the output of an asynchronous all-gather before"),
+    ("read-all-gather-output-in-a-set-torch-prints", r"torch's printing of a tensor reads the output of an asynchronous")])
 def test_output_read_where_the_dispatcher_does_not_show_it_fails(mutant, pool2, name, message):
     """The same read by code that runs past the dispatcher (printing, torch.tensor of its elements, whatever sequence
     holds them): the log's function mode names it ([Note: reads the dispatcher does not show] in jobs.py)."""

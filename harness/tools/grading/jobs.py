@@ -601,6 +601,10 @@ def _sets_every_element(func, args, kwargs) -> bool:
 # mode off, and read unseen. Only the calls that keep a hook for later take one (_KEEPS_CALLABLES): it runs with the
 # modes on. The backward the training loop starts runs the file's hooks, and torch would run it with the mode off
 # too: the mode runs it with itself on, by the engine, as torch.autograd.backward does (_backward).
+# Whatever holds a tensor torch reads past both modes (a set, an exception's arguments: torch formats them into its
+# messages), its printing and its values turned into Python's or numpy's (tolist, numpy) go through gates that the log
+# routes while it is on (schedule's [Note: gates put in place before the file]): a read of a pending output there is
+# named wherever it runs, every mode off or not.
 _DESCRIBE_ONLY = frozenset({
     "__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "data_ptr",
     "untyped_storage", "is_contiguous", "element_size", "__len__", "__hash__", "register_hook", "requires_grad_",
@@ -792,7 +796,20 @@ class CommLog(TorchDispatchMode):
 
         # Through the gates, as the marks: a method a file kept from before still tells the log (schedule's
         # [Note: gates put in place before the file]). Not is_completed(): see the Note above.
+        def reading(route: str, what: str):
+            original = current(route)
+
+            def read(t, *args, **kwargs):  # wherever it runs: inside a call of torch's, every mode is off
+                if pending and isinstance(t, torch.Tensor):
+                    self.read_pending(_memory_of(t), what)
+                return original(t, *args, **kwargs)
+
+            return read
+
         routes = {f"Work.{name}": waiting(name) for name in WORK_WAITS if name != "is_completed"}
+        routes.update({"_tensor_str._str": reading("_tensor_str._str", "torch's printing of a tensor"),
+                       "Tensor.tolist": reading("Tensor.tolist", "torch's Tensor.tolist"),
+                       "Tensor.numpy": reading("Tensor.numpy", "torch's Tensor.numpy")})
         if self.sources is not None:
             routes["UntypedStorage.resize_"] = self.sources.resizing(current("UntypedStorage.resize_"))
         with contextlib.ExitStack() as entered:

@@ -129,7 +129,11 @@ def _gated_places() -> list[tuple[str, tuple, str]]:
             + [(f"ProcessGroup.{name}", (dist.ProcessGroup,), name) for name in _ISSUING]
             + [("barrier", (dist, dist.distributed_c10d), "barrier")]  # one function under two names
             # a storage's bytes moved where no op shows it (jobs.py's [Note: where the model's parameters came from])
-            + [("UntypedStorage.resize_", (torch.UntypedStorage,), "resize_")])
+            + [("UntypedStorage.resize_", (torch.UntypedStorage,), "resize_")]
+            # what reads a tensor's values past the dispatcher, every mode off or not (jobs.py's [Note: reads the
+            # dispatcher does not show]): its printing, and its values turned into Python's or numpy's
+            + [("_tensor_str._str", (torch._tensor_str,), "_str")]
+            + [(f"Tensor.{name}", (torch.Tensor,), name) for name in ("tolist", "numpy")])
 
 
 def gate_collectives() -> None:
