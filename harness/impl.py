@@ -127,9 +127,10 @@ def _guarded(builtin, own: str):
                      property, staticmethod, classmethod, types.FrameType, types.TracebackType, types.CodeType,
                      types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType, types.CellType)
 
-    # a module's own tables (its parameters, submodules, hooks: the grader's hooks on the model's blocks among them)
-    # and its private machinery (`_call_impl`, which runs them)
-    module_state = frozenset(vars(torch.nn.Module())) | {
+    # a module's own tables (its hooks: the grader's on the model's blocks among them) and its private machinery
+    # (`_call_impl`, which runs them); not the tables of its parameters, buffers and submodules, which the source
+    # check lets an FSDP use (handwritten.PRIVATE_ATTRS)
+    module_state = frozenset(vars(torch.nn.Module())) - {"_parameters", "_buffers", "_modules"} | {
         n for n in dir(torch.nn.Module) if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))}
 
     def refused(obj, name, why: str) -> TypeError:  # the call as the file wrote it, only when refused
@@ -146,8 +147,8 @@ def _guarded(builtin, own: str):
             raise refused(obj, name, f"a file under test writes no {name} (enum's bookkeeping and hooks are named so: "
                           "`_member_names_`, `_missing_`); name your attribute otherwise")
         if isinstance(obj, torch.nn.Module) and name in module_state:
-            raise refused(obj, name, "a file under test replaces none of a module's own tables (its parameters, "
-                          "buffers, submodules, hooks, training flag) or private methods: use nn.Module's API (register_parameter, "
+            raise refused(obj, name, "a file under test replaces none of a module's own tables (its hooks, its "
+                          "training flag) or private methods: use nn.Module's API (register_parameter, "
                           "register_forward_pre_hook, ...) and name your own attributes otherwise")
         if isinstance(obj, torch.Tensor) and name[:1] == "_" \
                 and inspect.getattr_static(type(obj), name, None) is not None:
