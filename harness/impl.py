@@ -150,14 +150,15 @@ def _guarded(builtin, own: str):
             raise refused(obj, name, "a file under test replaces none of a module's own tables (its hooks, its "
                           "training flag) or private methods: use nn.Module's API (register_parameter, "
                           "register_forward_pre_hook, ...) and name your own attributes otherwise")
-        if isinstance(obj, torch.Tensor) and name[:1] == "_" \
-                and inspect.getattr_static(type(obj), name, None) is not None:
-            raise refused(obj, name, "a file under test writes none of a tensor's internals (its hooks, autograd's "
-                          "state, a DTensor's local tensor and spec): use the tensor's API and name your own "
-                          "attributes otherwise")
-        if isinstance(obj, torch.Tensor) and callable(inspect.getattr_static(type(obj), name, None)):
-            raise refused(obj, name, "a file under test sets no attribute named as a method of the tensor's class (the "
-                          "collective log and torch call it on that tensor): name your attribute otherwise")
+        if isinstance(obj, torch.Tensor):
+            defined = inspect.getattr_static(type(obj), name, None)  # what the tensor's class names so
+            if name[:1] == "_" and defined is not None:
+                raise refused(obj, name, "a file under test writes none of a tensor's internals (its hooks, "
+                              "autograd's state, a DTensor's local tensor and spec): use the tensor's API and name "
+                              "your own attributes otherwise")
+            if callable(defined):
+                raise refused(obj, name, "a file under test sets no attribute named as a method of the tensor's class "
+                              "(the collective log and torch call it on that tensor): name your attribute otherwise")
         if name == "__class__" and not isinstance(obj, torch.nn.Module):  # FSDP swaps a module's class only
             raise refused(obj, name, "a file under test changes the class of modules only (an autograd ctx's class "
                           "names its backward node)")

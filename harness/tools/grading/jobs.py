@@ -97,23 +97,15 @@ def _leaves(value) -> list:
 
 def _collect(value, found: list) -> None:
     kind = type(value)
-    if kind is tuple or kind is list:  # the common case, by identity (no subclass check)
-        for v in kind.__iter__(value):
-            _collect(v, found)
-        return
-    if kind is not dict and isinstance(value, (list, tuple, dict)):
-        found.append(value)
-    if isinstance(value, list):
-        for v in list.__iter__(value):
-            _collect(v, found)
-    elif isinstance(value, tuple):
-        for v in tuple.__iter__(value):
-            _collect(v, found)
-    elif isinstance(value, dict):
-        for v in dict.values(value):
-            _collect(v, found)
-    else:
-        found.append(value)
+    if kind is not list and kind is not tuple and kind is not dict:  # (the common cases by identity first)
+        if not isinstance(value, (list, tuple, dict)):
+            found.append(value)
+            return
+        found.append(value)  # a subclass's object itself, then its items by its base's methods
+    items = dict.values(value) if isinstance(value, dict) else \
+        list.__iter__(value) if isinstance(value, list) else tuple.__iter__(value)
+    for v in items:
+        _collect(v, found)
 
 
 def _tensors(value):
