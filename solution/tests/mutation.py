@@ -1306,6 +1306,11 @@ SOURCE_CHEATS.update({
                                               '(None,), False, False, (), True, True)\n',
     'weakref-callback-run-where-torch-frees': 'import weakref\n\n\ndef look(ref):\n    return ref\n\n\n'
                                               'def watch(t):\n    return weakref.ref(t, look)\n',
+    # a weak reference of a subclass of weakref.ref (a KeyedRef), its callback made of builtins only (no code of the
+    # file runs there to be seen), which copies the output's values when torch frees the object
+    'keyed-weakref-callback-run-where-torch-frees': 'import functools\nimport weakref\n\nimport torch\n\n\n'
+                                                    'def watch(t, out, seen):\n    return weakref.KeyedRef(t, '
+                                                    'functools.partial(seen.append, out), 0)\n',
     'hook-table-of-a-handle': 'import torch\n\n\ndef drop(module):\n'
                               '    handle = module.register_forward_hook(print)\n    return handle.hooks_dict_ref()\n',
     'internals-read-with-a-foreign-self': 'import warnings\n\n\nclass Peek:\n    def inside(self):\n'
@@ -1317,6 +1322,7 @@ SOURCE_REFUSALS.update({
     'numpy-over-a-tensors-memory': 'uses `wrap_numpy`',
     'backward-of-its-own-through-the-engine': 'uses `run_backward`',
     'weakref-callback-run-where-torch-frees': 'gives `weakref.ref` a callback',
+    'keyed-weakref-callback-run-where-torch-frees': 'gives `weakref.KeyedRef` a callback',
     'hook-table-of-a-handle': 'uses `.hooks_dict_ref`',
     'internals-read-with-a-foreign-self': 'uses `._module`',
 })

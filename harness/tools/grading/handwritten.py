@@ -1390,7 +1390,9 @@ class _Check:
         import torch
 
         resolved = self.resolve(node.func)
-        if resolved in (weakref.ref, weakref.proxy, weakref.WeakMethod, weakref.finalize) and (
+        # any weak reference's class (weakref.ref, WeakMethod, KeyedRef: a callback with a key), a proxy, a finalizer
+        weak = isinstance(resolved, type) and issubclass(resolved, weakref.ref) or resolved is weakref.proxy
+        if (weak or resolved is weakref.finalize) and (
                 len(node.args) + len(node.keywords) > 1 or resolved is weakref.finalize):
             return Outside(f"{where} gives `{ast.unparse(node.func)}` a callback, which Python runs where an object goes, "
                            "inside whatever torch call freed it, past what watches torch's calls: keep plain weak "
