@@ -447,10 +447,26 @@ def _held_by(container) -> list:
 
 
 def inert(values) -> bool:
-    """Whether each of `values` is of a type runs_files_code found to hold no code (a tensor, a number...): the common
-    case of a call's arguments, told with no walk through them."""
+    """Whether each of `values` is of a type runs_files_code found to hold no code (a tensor, a number...), or a slice of
+    such, or exactly a list, tuple or torch.Size of those (a shape, an index, a list of tensors): the common case of a
+    call's arguments, told with no walk through them. Read by the exact types' own iteration (no subclass's runs)."""
     for value in values:
         kind = type(value)
+        if _INERT.get(id(kind)) is kind or kind is slice and _inert_slice(value):
+            continue
+        if kind is not tuple and kind is not list and kind is not sys.modules["torch"].Size:
+            return False
+        for item in value:
+            held = type(item)
+            if _INERT.get(id(held)) is not held and not (held is slice and _inert_slice(item)):
+                return False
+    return True
+
+
+def _inert_slice(value: slice) -> bool:
+    """Whether a slice's bounds are each of a type known to hold no code (read by its index, they run none)."""
+    for bound in (value.start, value.stop, value.step):
+        kind = type(bound)
         if _INERT.get(id(kind)) is not kind:
             return False
     return True

@@ -1100,3 +1100,12 @@ def test_what_torch_could_call_back_is_the_files_code_only(tmp_path):
             "torch.Size": torch.Size([2]), "a dtype": torch.float32, "a slice of numbers": slice(1, None)}
     assert [k for k, v in calls_back.items() if not impl.runs_files_code(v)] == []
     assert [k for k, v in data.items() if impl.runs_files_code(v)] == []
+    # impl.inert, the function mode's shortcut past the walk: a call's arguments of known types, and exactly a list,
+    # tuple or torch.Size of them or of slices over them (once runs_files_code has read each type), need no walk; an
+    # argument that holds code, one level down or in a subclass of list or tuple, is walked
+    plain = [torch.ones(1), (2, 3), [torch.ones(1)], torch.Size([2]), (slice(1, None), None, ...)]
+    assert not impl.runs_files_code(plain) and impl.inert(plain)
+    walked = {"Looks": [looks], "in a tuple": [(1, looks)], "in a slice in a tuple": [(slice(looks, None),)],
+              "a slice over it": [slice(None, looks)], "a NamedTuple of numbers": [m.Shape(2, 3)],
+              "two levels down": [((1,),)], "a list's subclass": [type("L", (list,), {})([1])]}
+    assert [k for k, v in walked.items() if impl.inert(v)] == []

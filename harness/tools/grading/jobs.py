@@ -17,6 +17,7 @@ import gc
 import hashlib
 import inspect
 import math
+import types
 import weakref
 
 import torch
@@ -608,6 +609,8 @@ _FROM_DATA = {"tensor": 0, "as_tensor": 0, "asarray": 0, "new_tensor": 1}
 _KEEPS_CALLABLES = frozenset({"register_hook", "register_post_accumulate_grad_hook"})
 """calls that keep a callable of the file's for later, and call none inside"""
 _BACKWARD = inspect.signature(torch.Tensor.backward)
+_INERT = impl._INERT  # the types runs_files_code found to hold no code (one table, read here without a call)
+_BOUND, _WRAPPER = types.BuiltinMethodType, types.MethodWrapperType  # read as runs_files_code reads them: by __self__
 
 
 class _TorchCalls(TorchFunctionMode):
@@ -671,14 +674,19 @@ class _TorchCalls(TorchFunctionMode):
                                                       allow_unreachable=True, accumulate_grad=True)
 
     def _judged(self, func, args, kwargs):
-        log, name = self.log, getattr(func, "__name__", "")
+        log = self.log
         if log.problems:
             return func(*args, **kwargs)
-        if impl.runs_files_code(func):  # the file's own, handed to the modes as a call of torch's
+        kind = type(func)  # (torch's own functions and methods: known by their type, with no call)
+        if _INERT.get(id(kind)) is not kind and not (  # torch's method of an object of a type known to hold no code
+                (kind is _BOUND or kind is _WRAPPER) and (_INERT.get(id(bound := type(func.__self__))) is bound or
+                                                          issubclass(bound, types.ModuleType))) \
+                and impl.runs_files_code(func):  # the file's, handed as a call of torch's
             log.problems.append(f"step {log.step} ({_phase()}): {_called_back(func)} is run as a call of torch's, where "
                                 "the log cannot see what it reads: call your code yourself")
             return func(*args, **kwargs)
-        for held in () if impl.inert(args) and impl.inert(kwargs.values()) else _leaves((args, kwargs)):
+        name = getattr(func, "__name__", "")
+        for held in () if impl.inert(args) and (not kwargs or impl.inert(kwargs.values())) else _leaves((args, kwargs)):
             if impl.read_as_data(held):
                 log.problems.append(
                     f"step {log.step} ({_phase()}): torch's {name} is handed a {type(held).__qualname__}, which torch "

@@ -30,7 +30,8 @@ from harness.cli import parse
 from harness.tools.traces.collectives import StepStats, analyze_trace, mean
 from harness.errors import BAD_INPUT, stop
 from harness.tools.traces.memory_analysis import MemoryStats, analyze_memory, tensor_peaks
-from harness.tools.traces.schedule import Scheduled, model_calls, model_order, must_overlap, parameter_reads, schedule
+from harness.tools.traces.schedule import (Scheduled, linked_nodes, model_calls, model_order, must_overlap, node_leaves,
+                                           parameter_reads, schedule)
 from harness.tools.traces.trace import KINDS, OTHER, PHASES, Trace, rank_files
 
 
@@ -109,7 +110,8 @@ def _analyze_run(traces, snapshots, snapshots_optional: bool, mark: str | None) 
         scheduled += mine
         if mark is not None:
             reads.append(parameter_reads(t, mark, mine))
-            calls = tuple(a + b for a, b in zip(calls, model_calls(t.ranges, mark)))
+            nodes = linked_nodes(t.ranges, mark, leaves=node_leaves(t, mark))
+            calls = tuple(a + b for a, b in zip(calls, model_calls(t.ranges, mark, nodes)))
             order.append(model_order(t.ranges, mark))
         if snapshots is None:
             continue

@@ -416,30 +416,48 @@ def model_order(events: list[dict], mark: str) -> list[str]:
             if (leaf := marked_leaf(e["name"], mark))]
 
 
-def model_calls(events: list[dict], mark: str) -> tuple[int, int]:
-    """(forwards of the model's leaf modules, compute or not; runs of their ops' backward nodes) in these events."""
+def model_calls(events: list[dict], mark: str, nodes: dict[int, str] | None = None) -> tuple[int, int]:
+    """(forwards of the model's leaf modules, compute or not; runs of their ops' backward nodes) in these events.
+    nodes: `linked_nodes` of these events (default: read here)."""
     forwards = sum(1 for e in events if e.get("cat") == "user_annotation" and marked_leaf(e["name"], mark))
-    nodes = linked_nodes(events, mark)
+    nodes = linked_nodes(events, mark) if nodes is None else nodes
     return forwards, sum(1 for e in events if e.get("cat") == "cpu_op" and e.get("args", {}).get(SEQUENCE) in nodes
                          and MODEL_BACKWARD.match(e["name"]))
 
 
-def linked_nodes(events: list[dict], mark: str, by: Callable[[str], str] = group_of) -> dict[int, str]:
+def linked_nodes(events: list[dict], mark: str, by: Callable[[str], str] = group_of,
+                 leaves: dict[int, set[str]] | None = None) -> dict[int, str]:
     """Sequence number -> group (`by` the leaf's name: its group; or the leaf itself), of every op that ran inside a
     leaf's marked forward which is compute, whatever thread: the backward nodes those ops made carry the same number
-    (see [Note: what counts as compute]). A number found in two groups (two threads' counters) links neither."""
-    leaves: dict[tuple, list] = defaultdict(list)  # thread -> the compute ranges of leaf forwards on it
+    (see [Note: what counts as compute]). A number found in two groups (two threads' counters) links neither.
+    leaves: `node_leaves` of these events, read once per trace (default: read here)."""
+    out: dict[int, str] = {}
+    for n, named in (node_leaves(events, mark) if leaves is None else leaves).items():
+        groups = {group for leaf in named if (group := by(leaf)) is not None}
+        if len(groups) == 1 and (group := groups.pop()):
+            out[n] = group
+    return out
+
+
+def node_leaves(events: list[dict] | Trace, mark: str) -> dict[int, set[str]]:
+    """Sequence number -> the leaves inside whose marked forward (compute) an op of that number ran, on any thread
+    (what `linked_nodes` groups). Given a Trace, its ranges', read once per trace and mark."""
+    if isinstance(events, Trace):
+        if (key := ("node_leaves", mark)) not in events.memo:
+            events.memo[key] = node_leaves(events.ranges, mark)
+        return events.memo[key]
+    spans: dict[tuple, list] = defaultdict(list)  # thread -> the compute ranges of leaf forwards on it
     for e in events:
         if e.get("cat") == "user_annotation" and (marked := marked_leaf(e["name"], mark)) and marked[1]:
-            leaves[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"], by(marked[0])))
-    at = {thread: Ranges(spans) for thread, spans in leaves.items()}
-    out: dict[int, str] = {}
+            spans[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"], marked[0]))
+    at = {thread: Ranges(ranges) for thread, ranges in spans.items()}
+    out: dict[int, set[str]] = defaultdict(set)
     for e in events:
         if e.get("cat") == "cpu_op" and (n := e.get("args", {}).get(SEQUENCE)) is not None \
                 and e["name"].startswith("aten::") and (thread := at.get((e["pid"], e["tid"]))) \
-                and (group := thread.at(e["ts"])) is not None:
-            out[n] = group if out.get(n, group) == group else ""
-    return {n: group for n, group in out.items() if group}
+                and (leaf := thread.at(e["ts"])) is not None:
+            out[n].add(leaf)
+    return out
 
 
 def compute_ops(on: list[dict], fsdp: list, c10d: list, mark: str | None,
@@ -476,9 +494,9 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
     depend on how threads were scheduled."""
     t = trace if isinstance(trace, Trace) else Trace(trace)
     out = []
-    nodes = linked_nodes(t.ranges, mark) if mark is not None else None
+    nodes = linked_nodes(t.ranges, mark, leaves=node_leaves(t, mark)) if mark is not None else None
     for thread in {(op["pid"], op["tid"]) for op in t.ops}:
-        on = [e for e in t.ranges if (e["pid"], e["tid"]) == thread]
+        on = t.by_thread[thread]
         fsdp = union((e["ts"], e["ts"] + e["dur"]) for e in on
                      if e.get("cat") == "user_annotation" and e["name"].startswith("FSDP::"))
         c10d = union((e["ts"], e["ts"] + e["dur"]) for e in on if e["name"].startswith(("c10d::", "_c10d_functional::")))
@@ -524,10 +542,12 @@ def schedule(trace: Trace | str | Path | dict, mark: str | None = None) -> list[
         waited_tags: dict[str, list[float]] = defaultdict(list)  # Work -> when it was waited for while running
         done_tags: dict[str, list[float]] = defaultdict(list)  # Work -> when wait() found it done
         asked_tags: dict[str, list[float]] = defaultdict(list)  # Work -> when a way that returns at once asked it
+        tagged_as = [(marks + what, tags) for what, tags in ((WAITED, waited_tags), (FOUND_DONE, done_tags),
+                                                              (ASKED, asked_tags))]
         for e in on:
-            for what, tags in ((WAITED, waited_tags), (FOUND_DONE, done_tags), (ASKED, asked_tags)):
-                if e["name"].startswith(marks + what):
-                    tags[e["name"][len(marks + what):]].append(e["ts"])
+            for prefix, tags in tagged_as:
+                if e["name"].startswith(prefix):
+                    tags[e["name"][len(prefix):]].append(e["ts"])
         thread_ops = sorted(op["ts"] for op in t.ops if (op["pid"], op["tid"]) == thread)
 
         def own_wait(op: dict) -> tuple[float | None, float | None]:
@@ -620,7 +640,7 @@ def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tup
     step); (None, "", "") for one issued outside any group's range, or before the profiled steps; ("", "", "") where
     some bytes held no all-gather's data. `scheduled`: this trace's."""
     numbered = {s.number: s for s in scheduled if s.number is not None and s.rank == t.rank}
-    nodes = linked_nodes(t.ranges, mark, by=lambda leaf: leaf)
+    nodes = linked_nodes(t.ranges, mark, by=lambda leaf: leaf, leaves=node_leaves(t, mark))
     passes = Ranges((s, e, s) for s, e, _ in t.phases.ranges)
     ordinal: dict[float, int] = {}  # a pass's start -> its place among its step's passes of its phase
     counted: dict[tuple, int] = defaultdict(int)
@@ -628,11 +648,8 @@ def parameter_reads(t: Trace, mark: str, scheduled: list[Scheduled]) -> list[tup
         ordinal[s] = counted[t.steps.at(s), phase]
         counted[t.steps.at(s), phase] += 1
     prefix = mark + READ_TAG
-    by_thread: dict[tuple, list[dict]] = defaultdict(list)
-    for e in t.ranges:
-        by_thread[e["pid"], e["tid"]].append(e)
     out = []
-    for on in by_thread.values():
+    for on in t.by_thread.values():
         tags = [e for e in on if e.get("cat") == "user_annotation" and e["name"].startswith(prefix)]
         if not tags:
             continue

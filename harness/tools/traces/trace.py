@@ -121,17 +121,18 @@ def without_mode_redispatch(events: list[dict]) -> list[dict]:
     for e in events:
         by_thread[e.get("pid"), e.get("tid")].append(e)
     for on in by_thread.values():
-        stack: list[dict] = []  # the ranges enclosing the current one, outermost first
+        stack: list[tuple] = []  # (end, name, whether a cpu_op) of the ranges enclosing the current one, outermost first
         for e in sorted(on, key=lambda e: (e["ts"], -e["dur"])):
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
+            ts, name, op = e["ts"], e["name"], e.get("cat") == "cpu_op"
+            while stack and stack[-1][0] < ts:
                 stack.pop()
-            if e.get("cat") == "cpu_op":  # the profiler's own ranges: a program's record_function is a user_annotation
-                if e["name"] == DISPATCH_MODE:
+            if op:  # the profiler's own ranges: a program's record_function is a user_annotation
+                if name == DISPATCH_MODE:
                     dropped.add(id(e))
-                elif len(stack) >= 2 and stack[-1]["name"] == DISPATCH_MODE and stack[-1].get("cat") == "cpu_op" \
-                        and stack[-2]["name"] == e["name"] and stack[-2].get("cat") == "cpu_op":
+                elif len(stack) >= 2 and stack[-1][1] == DISPATCH_MODE and stack[-1][2] \
+                        and stack[-2][1] == name and stack[-2][2]:
                     dropped.add(id(e))
-            stack.append(e)
+            stack.append((ts + e["dur"], name, op))
     return [e for e in events if id(e) not in dropped]
 
 
@@ -158,7 +159,12 @@ class Trace:
         if main is None:
             raise ValueError("the trace has no ProfilerStep#N range: was it written by profiling.StepProfiler?")
         self.main = (main["pid"], main["tid"])
-        self.on_main = [e for e in self.ranges if (e["pid"], e["tid"]) == self.main]
+        by_thread: dict[tuple, list[dict]] = defaultdict(list)  # (pid, tid) -> its ranges, in the trace's order
+        for e in self.ranges:
+            by_thread[e["pid"], e["tid"]].append(e)
+        self.by_thread = dict(by_thread)
+        self.on_main = self.by_thread[self.main]
+        self.memo: dict = {}  # what the analyses read of this trace more than once (schedule.node_leaves)
         annotations = [e for e in self.on_main if e.get("cat") == "user_annotation"]
         self.steps = Ranges((e["ts"], e["ts"] + e["dur"], int(m[1]))
                             for e in annotations if (m := STEP.match(e["name"])))
