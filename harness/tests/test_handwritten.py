@@ -983,6 +983,39 @@ def test_the_files_code_run_inside_a_call_of_torchs_is_named(tmp_path, call):
     assert len(log.problems) == 1 and "code of the file ran inside torch's" in log.problems[0], log.problems
 
 
+def test_the_files_code_run_inside_an_op_the_log_handles_is_named(tmp_path):
+    """Code of the file run inside an op the log's dispatch mode handles (a kernel that calls back: a custom op's
+    here, which a file cannot register) runs with the log's modes off, the function mode too (the log reads tensors
+    there as torch's own): the place it runs asks the log, which names it by the op; run by the file itself, it is
+    not named (the control)."""
+    import uuid
+
+    import torch
+
+    from harness import impl
+    from harness.tools.grading import jobs
+
+    path = tmp_path / "runs_inside.py"
+    path.write_text(RUNS_INSIDE)
+    m = impl.load(str(path))
+    ps = m.peeks()
+    name = f"effdl_test::calls_back_{uuid.uuid4().hex[:8]}"
+
+    @torch.library.custom_op(name, mutates_args=(), schema="(Tensor x) -> Tensor")
+    def calls_back(x: torch.Tensor) -> torch.Tensor:
+        m.here(ps)
+        return x.clone()
+
+    log = jobs.CommLog()
+    with log:
+        m.here(ps)
+        assert log.problems == []
+        with torch._C.DisableTorchFunction():  # past the function mode: only the dispatch mode handles the op
+            calls_back(torch.zeros(1))
+    assert len(log.problems) == 1 and "code of the file ran inside torch's" in log.problems[0] \
+        and name.split("::")[1] in log.problems[0], log.problems
+
+
 def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):
     """The class of a class reached where the source check cannot tell it is one (a variable) is the loader's
     guarded type ([Note: classes a file under test makes at run time]): a Tensor subclass or a namespace with a

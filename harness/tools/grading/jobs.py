@@ -639,11 +639,17 @@ class _TorchCalls(TorchFunctionMode):
 
     def file_code_runs(self) -> None:
         """Asked wherever the file's code starts or resumes running ([Note: where the file's code runs], impl.py):
-        inside a call of torch's this mode handles (so off: not on torch's stack of modes), a problem."""
-        if self.log.problems or not self.handling or any(
+        inside a call of torch's this mode handles (so off: not on torch's stack of modes), or inside an op the log's
+        dispatch mode handles (both off), a problem."""
+        if self.log.problems:
+            return
+        if self.log.dispatching:
+            func = self.log.dispatching[-1]
+        elif not self.handling or any(
                 torch._C._get_function_stack_at(i) is self for i in range(torch._C._len_torch_function_stack())):
             return
-        func = self.handling[-1]
+        else:
+            func = self.handling[-1]
         self.log.problems.append(
             f"step {self.log.step} ({_phase()}): code of the file ran inside torch's "
             f"{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))} (torch called it back: an object, "
@@ -769,6 +775,7 @@ class CommLog(TorchDispatchMode):
         self.landing: dict[int, tuple] = {}
         self.landing_tensors: dict[int, list[tuple]] = {}
         self._entered: contextlib.ExitStack | None = None  # what __enter__ entered besides the mode itself
+        self.dispatching: list = []  # the ops this mode is handling (itself and every function mode off), innermost last
 
     def __enter__(self):
         pending, landing, sources = self.pending, self.landing, self.sources
@@ -837,17 +844,22 @@ class CommLog(TorchDispatchMode):
         if any(t.__torch_dispatch__ is not _NO_DISPATCH and not t.__module__.startswith("torch._subclasses.")
                for t in types):
             return NotImplemented
-        # What the log reads of a tensor (its size, strides, storage) it reads as torch's own: a class of torch's
-        # (an uninitialized buffer) may refuse such reads in Python. No garbage collection meanwhile: this mode is
-        # off while it handles an op, and a collection would run the program's weakref callbacks and finalizers
-        # here, their ops unseen (a program can count its allocations to the one that collects).
+        # What the log reads of a tensor (its size, strides, storage) it reads as torch's own, past every function
+        # mode and subclass: a class of torch's (an uninitialized buffer) may refuse such reads in Python, and the
+        # log's own function mode has nothing to judge in the log's code (it would judge each read, a call of
+        # Python's each). No garbage collection meanwhile: this mode is off while it handles an op, and a collection
+        # would run the program's weakref callbacks and finalizers here, their ops unseen (a program can count its
+        # allocations to the one that collects). Code of the file that runs here all the same (a generator of its
+        # freed by the op) is named where it starts ([Note: where the file's code runs], `dispatching`).
         collecting = gc.isenabled()
         if collecting:
             gc.disable()
+        self.dispatching.append(func)
         try:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunction():
                 return self._dispatch(func, args, kwargs or {})
         finally:
+            self.dispatching.pop()
             if collecting:
                 gc.enable()
 
