@@ -321,6 +321,12 @@ OUTSIDE = {
     "match_by_position": ("class P:\n    pass\ndef f(x):\n    match x:\n        case P(v):\n            return v\n", 5,
                           "matches `P(...)` by position"),
     "exit_stack": ("import contextlib\ns = contextlib.ExitStack()\n", 2, "uses `ExitStack`"),
+    # a weak value dictionary's removal compares keys (a tensor's ==) wherever its value goes, inside a kernel too
+    "weak_value_dictionary": ("import weakref\nd = weakref.WeakValueDictionary()\n", 2, "uses `WeakValueDictionary`"),
+    # a quantized or sparse tensor keeps the file's tensors inside it, for a kernel to free inside an op
+    "quantized_tensor": ("import torch\nq = torch.quantize_per_channel(torch.ones(2, 2), torch.ones(2), "
+                         "torch.zeros(2), 0, torch.quint8)\n", 2, "uses `quantize_per_channel`"),
+    "sparse_tensor": ("import torch\ns = torch.ones(2).to_sparse_csr()\n", 2, "uses `to_sparse_csr`"),
     "context_held_by_a_generator": ("import torch\ndef g():\n    with torch.no_grad():\n        yield\n", 4,
                                     "yields inside a `with` block of a generator"),
     "type_rebound": ("type = 1\n", 1, "binds the name `type`"),
@@ -1014,6 +1020,30 @@ def test_the_files_code_run_inside_an_op_the_log_handles_is_named(tmp_path):
             calls_back(torch.zeros(1))
     assert len(log.problems) == 1 and "code of the file ran inside torch's" in log.problems[0] \
         and name.split("::")[1] in log.problems[0], log.problems
+
+
+def test_the_files_code_run_on_another_thread_is_named(tmp_path):
+    """Code of the file run on a thread other than the training loop's (gloo's, freeing a collective's work and a
+    generator of the file's it held) runs where neither of the log's modes is on: the place it runs asks the log,
+    which names it; on the loop's thread it is not named (the control)."""
+    import threading
+
+    from harness import impl
+    from harness.tools.grading import jobs
+
+    path = tmp_path / "runs_inside.py"
+    path.write_text(RUNS_INSIDE)
+    m = impl.load(str(path))
+    ps = m.peeks()
+    log = jobs.CommLog()
+    with log:
+        m.here(ps)
+        assert log.problems == []
+        other = threading.Thread(target=m.here, args=(ps,))
+        other.start()
+        other.join()
+    assert len(log.problems) == 1 and "code of the file ran on a thread of torch's own" in log.problems[0], \
+        log.problems
 
 
 def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):

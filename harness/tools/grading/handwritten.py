@@ -266,6 +266,18 @@ ADVICE = {
                     "allocate with torch's ordinary allocator (torch.empty, new_zeros...): the graded memory "
                     "check counts its tensors, and shared, file-backed or borrowed (Python buffer) storage "
                     "would hide from it"),
+    # A weak value dictionary removes a dead value's entry by looking its key up, comparing keys with `==` (a
+    # tensor's: an op), wherever the value goes: inside a kernel of torch's that freed it too, where the collective
+    # log's modes are off and the code that runs is Python's own, which no mark of the file's names.
+    "WeakValueDictionary": "keep plain weak references (weakref.ref(x)), a WeakKeyDictionary or a WeakSet, and look "
+                           "your values up where you use them",
+    # Quantized and sparse tensors hold other tensors inside them (a quantizer's scales, a sparse tensor's values),
+    # which torch's kernels free inside an op, where nothing watches what that runs.
+    **dict.fromkeys(sorted({n for n in dir(torch) + dir(torch.Tensor) + dir(torch.nn.functional)
+                            if ("quantiz" in n.lower() or "sparse" in n.lower()) and not n.startswith("is_")}
+                           | {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}),
+                    "an FSDP's tensors are plain dense ones (torch.empty, nn.Parameter): a quantized or sparse tensor "
+                    "keeps other tensors inside it, which torch's kernels free where the grader cannot see what runs"),
 }
 FORBIDDEN_NAMES = set(ADVICE)
 # Parts of an import's dotted name refused with their own advice; any other module outside

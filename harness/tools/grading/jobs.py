@@ -17,6 +17,7 @@ import gc
 import hashlib
 import inspect
 import math
+import threading
 import types
 import weakref
 
@@ -620,6 +621,7 @@ class _TorchCalls(TorchFunctionMode):
         super().__init__()
         self.log = log
         self.handling: list = []  # the calls of torch's this mode is handling (itself off), innermost last
+        self.thread = threading.get_ident()  # the thread whose calls it sees (the training loop's)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.backward:  # run with this mode on: a collection there is seen as any other code
@@ -638,21 +640,23 @@ class _TorchCalls(TorchFunctionMode):
                 gc.enable()
 
     def file_code_runs(self) -> None:
-        """Asked wherever the file's code starts or resumes running ([Note: where the file's code runs], impl.py):
-        inside a call of torch's this mode handles (so off: not on torch's stack of modes), or inside an op the log's
-        dispatch mode handles (both off), a problem."""
-        if self.log.problems:
-            return
-        if self.log.dispatching:
-            func = self.log.dispatching[-1]
-        elif not self.handling or any(
+        """Asked wherever the file's code starts or resumes running ([Note: where the file's code runs], impl.py): where
+        this mode is not on (enabled, and on the running thread's stack of modes), a problem. That is inside a call of
+        torch's it handles (it is off meanwhile), inside an op the log's dispatch mode handles (every mode off), and on
+        a thread of torch's own that runs Python where an object goes (gloo's, freeing a collective's work and what it
+        held), whose stacks are empty. (Autograd's threads run with the stacks of the thread that began backward.)"""
+        if self.log.problems or torch._C._is_torch_function_mode_enabled() and any(
                 torch._C._get_function_stack_at(i) is self for i in range(torch._C._len_torch_function_stack())):
             return
+        if threading.get_ident() != self.thread:
+            where = "on a thread of torch's own (what a collective's work held, freed there)"
+        elif self.handling or self.log.dispatching:
+            func = self.handling[-1] if self.handling else self.log.dispatching[-1]
+            where = f"inside torch's {getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))}"
         else:
-            func = self.handling[-1]
+            where = "where the log's function mode is off"
         self.log.problems.append(
-            f"step {self.log.step} ({_phase()}): code of the file ran inside torch's "
-            f"{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))} (torch called it back: an object, "
+            f"step {self.log.step} ({_phase()}): code of the file ran {where} (torch called it back: an object, "
             "iterator or generator of the file's handed to it, or freed there), where the log cannot see what it "
             "reads: hand torch tensors, numbers and torch's own objects, and run your code yourself")
 
