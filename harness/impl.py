@@ -717,8 +717,9 @@ _INPLACE = {ast.Add: "iadd", ast.Sub: "isub", ast.Mult: "imul", ast.MatMult: "im
 # place the file's code starts or resumes running calls `__effdl_here__()` first: a function's body, a lambda's, an
 # except or finally block (what a closed generator runs), a comprehension's expressions, the point after each yield
 # and await. The call asks the watcher (the log's mode, while it is on: `watching`) whether it runs inside a call of
-# torch's it handles, or inside an op the log's dispatch mode handles (a kernel that calls back, with every mode off):
-# there it is a problem. The file cannot name the call or avoid it (dunders are refused).
+# torch's it handles, or inside an op the log's dispatch mode handles (a kernel that calls back, with every mode off),
+# or on a thread of torch's own (gloo's, freeing what a collective's work held): wherever the log's function mode is not
+# on the running thread's stack, it is a problem. The file cannot name the call or avoid it (dunders are refused).
 _HERE, _BACK = "__effdl_here__", "__effdl_back__"
 _WATCHERS: list = []
 
