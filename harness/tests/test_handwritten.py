@@ -323,6 +323,10 @@ OUTSIDE = {
     "exit_stack": ("import contextlib\ns = contextlib.ExitStack()\n", 2, "uses `ExitStack`"),
     # a weak value dictionary's removal compares keys (a tensor's ==) wherever its value goes, inside a kernel too
     "weak_value_dictionary": ("import weakref\nd = weakref.WeakValueDictionary()\n", 2, "uses `WeakValueDictionary`"),
+    # a weak container's pending removals, declared as the file's own name to reach them: Python's internals still
+    "weak_containers_internals": ("import weakref\nclass R:\n    _pending_removals: list\n"
+                                  "t = weakref.WeakKeyDictionary()\nt._pending_removals.append(1)\n", 5,
+                                  "uses `._pending_removals`, which is private to torch or Python"),
     # a quantized or sparse tensor keeps the file's tensors inside it, for a kernel to free inside an op
     "quantized_tensor": ("import torch\nq = torch.quantize_per_channel(torch.ones(2, 2), torch.ones(2), "
                          "torch.zeros(2), 0, torch.quint8)\n", 2, "uses `quantize_per_channel`"),

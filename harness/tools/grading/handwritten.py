@@ -508,6 +508,11 @@ def _introspect() -> _Names:
             if isinstance(value, types.ModuleType) and value.__name__ not in ALLOWED_IMPORTS \
                     and name not in SHADOWED_MODULE_ATTRS:
                 module_names.setdefault(name, value.__name__)
+    # What the standard helpers set on their objects in __init__ (a weak container's pending removals, which its
+    # iteration guard looks up with `==` wherever a suspended iterator of it is closed): Python's own internals,
+    # never a name the file's own declaration makes usable on them
+    for helper in (weakref.WeakKeyDictionary, weakref.WeakSet, weakref.WeakValueDictionary, contextlib.ExitStack):
+        seen.update(vars(helper()))
     for name in ("os", "sys", "builtins", "importlib", "inspect", "gc", "ctypes", "subprocess", "pickle",
                  "marshal", "types", "io", "shutil", "socket", "pathlib", "runpy", "code", "codeop", "copyreg"):
         module_names.setdefault(name, name)
