@@ -881,8 +881,13 @@ def _held(uid: int) -> set[str]:
 
 
 def _mapped(pid: int) -> set[str]:
-    """The files a process maps, by /proc/PID/maps (its paths only: psutil's memory_maps reads smaps, whose page
-    counts the kernel walks each mapping's pages for, a tenth of a second per rank)."""
+    """The files a process maps, by /proc/PID/maps on Linux (its paths only: psutil's memory_maps reads smaps, whose
+    page counts the kernel walks each mapping's pages for, a tenth of a second per rank); elsewhere, and under the
+    simulated macOS, which has no /proc, by psutil."""
+    if compat.simulated() or not sys.platform.startswith("linux"):
+        import psutil
+
+        return {m.path for m in psutil.Process(pid).memory_maps() if m.path.startswith("/")}
     fields = (line.split(maxsplit=5) for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
     return {f[5].removesuffix(" (deleted)") for f in fields if len(f) == 6 and f[5].startswith("/")}
 
