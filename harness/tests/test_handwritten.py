@@ -971,12 +971,9 @@ def closed_in_torch(ps):
 """
 
 
-@pytest.mark.parametrize("call", ["in_torch", "closed_in_torch"])
-def test_the_files_code_run_inside_a_call_of_torchs_is_named(tmp_path, call):
-    """Code of the file that torch runs inside one of its calls (an object it draws from a carrier no walk of the
-    arguments looks into, a generator closed where torch frees it) runs with the log's function mode off: the place
-    it runs asks the log, which names it ([Note: where the file's code runs] in impl.py); the same code run by the
-    file itself is not named (the control)."""
+def problems_of_code_run(tmp_path, run) -> list[str]:
+    """The collective log's problems once `run(m, ps)` ran under it (m: RUNS_INSIDE loaded, ps: its peeks), after the
+    control: the file's own call of the same code is not named."""
     from harness import impl
     from harness.tools.grading import jobs
 
@@ -988,9 +985,19 @@ def test_the_files_code_run_inside_a_call_of_torchs_is_named(tmp_path, call):
     with log:
         m.here(ps)
         assert log.problems == []
-        getattr(m, call)(ps)
+        run(m, ps)
     assert ps[0].runs >= 2
-    assert len(log.problems) == 1 and "code of the file ran inside torch's" in log.problems[0], log.problems
+    return log.problems
+
+
+@pytest.mark.parametrize("call", ["in_torch", "closed_in_torch"])
+def test_the_files_code_run_inside_a_call_of_torchs_is_named(tmp_path, call):
+    """Code of the file that torch runs inside one of its calls (an object it draws from a carrier no walk of the
+    arguments looks into, a generator closed where torch frees it) runs with the log's function mode off: the place
+    it runs asks the log, which names it ([Note: where the file's code runs] in impl.py); the same code run by the
+    file itself is not named (the control)."""
+    problems = problems_of_code_run(tmp_path, lambda m, ps: getattr(m, call)(ps))
+    assert len(problems) == 1 and "code of the file ran inside torch's" in problems[0], problems
 
 
 def test_the_files_code_run_inside_an_op_the_log_handles_is_named(tmp_path):
@@ -1002,28 +1009,20 @@ def test_the_files_code_run_inside_an_op_the_log_handles_is_named(tmp_path):
 
     import torch
 
-    from harness import impl
-    from harness.tools.grading import jobs
-
-    path = tmp_path / "runs_inside.py"
-    path.write_text(RUNS_INSIDE)
-    m = impl.load(str(path))
-    ps = m.peeks()
     name = f"effdl_test::calls_back_{uuid.uuid4().hex[:8]}"
 
-    @torch.library.custom_op(name, mutates_args=(), schema="(Tensor x) -> Tensor")
-    def calls_back(x: torch.Tensor) -> torch.Tensor:
-        m.here(ps)
-        return x.clone()
+    def run(m, ps):
+        @torch.library.custom_op(name, mutates_args=(), schema="(Tensor x) -> Tensor")
+        def calls_back(x: torch.Tensor) -> torch.Tensor:
+            m.here(ps)
+            return x.clone()
 
-    log = jobs.CommLog()
-    with log:
-        m.here(ps)
-        assert log.problems == []
         with torch._C.DisableTorchFunction():  # past the function mode: only the dispatch mode handles the op
             calls_back(torch.zeros(1))
-    assert len(log.problems) == 1 and "code of the file ran inside torch's" in log.problems[0] \
-        and name.split("::")[1] in log.problems[0], log.problems
+
+    problems = problems_of_code_run(tmp_path, run)
+    assert len(problems) == 1 and "code of the file ran inside torch's" in problems[0] \
+        and name.split("::")[1] in problems[0], problems
 
 
 def test_the_files_code_run_on_another_thread_is_named(tmp_path):
@@ -1032,22 +1031,13 @@ def test_the_files_code_run_on_another_thread_is_named(tmp_path):
     which names it; on the loop's thread it is not named (the control)."""
     import threading
 
-    from harness import impl
-    from harness.tools.grading import jobs
-
-    path = tmp_path / "runs_inside.py"
-    path.write_text(RUNS_INSIDE)
-    m = impl.load(str(path))
-    ps = m.peeks()
-    log = jobs.CommLog()
-    with log:
-        m.here(ps)
-        assert log.problems == []
+    def run(m, ps):
         other = threading.Thread(target=m.here, args=(ps,))
         other.start()
         other.join()
-    assert len(log.problems) == 1 and "code of the file ran on a thread of torch's own" in log.problems[0], \
-        log.problems
+
+    problems = problems_of_code_run(tmp_path, run)
+    assert len(problems) == 1 and "code of the file ran on a thread of torch's own" in problems[0], problems
 
 
 def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):
