@@ -55,6 +55,10 @@ def run_name(fsdp: str, impl: str) -> str:
     return f"effdl-{path.stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
 
 
+FILE_MODULES = "effdl_fsdp_"
+"""how the module of every file under test is named: this, then a hash of its path"""
+
+
 _REFUSED: str | None = None
 
 
@@ -75,7 +79,7 @@ def load(impl: str) -> ModuleType:
     if _REFUSED:
         raise RuntimeError(f"--impl {impl}: {_REFUSED}")
     path = impl_path(impl)
-    name = f"effdl_fsdp_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    name = f"{FILE_MODULES}{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
@@ -874,7 +878,7 @@ def compile_backend(fsdp: str, impl: str):
 
 
 def _handwritten_files() -> list[str]:
-    return [m.__file__ for name, m in list(sys.modules.items()) if name.startswith("effdl_fsdp_")]
+    return [m.__file__ for name, m in list(sys.modules.items()) if name.startswith(FILE_MODULES)]
 
 
 def explain_errors(fn, *args):

@@ -678,6 +678,61 @@ def test_collective_log_runs_no_code_of_the_file_in_its_own_walk(tmp_path):
         in line, line
 
 
+FREED_BY_ANOTHER_THREAD = '''
+import os, sys, threading, torch, torch.distributed as dist
+from pathlib import Path
+from harness import impl
+from harness.tools.grading.jobs import CommLog
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
+path = Path(sys.argv[1])
+path.write_text("import torch\\n\\n\\nclass MixedPrecisionPolicy:\\n    pass\\n\\n\\ndef fully_shard(m):\\n"
+                "    return m\\n\\n\\ndef step():\\n    return 1\\n")
+module = impl.load(str(path))
+
+
+class Reads:  # a finalizer of Python's own, set up by a program (not the file's code: nothing names it)
+    def __init__(self, out, seen):
+        self.out, self.seen = out, seen
+
+    def __del__(self):
+        self.seen.append("the loop's" if threading.current_thread() is threading.main_thread() else "another")
+        self.out.sum()
+
+
+def hung(x, out, seen, where):
+    """The tensor to hand a broadcast, with the reader hung on it, on its storage, or on the base of the view handed."""
+    (x.untyped_storage() if where == "storage" else x).reader = Reads(out, seen)
+    return x[1:] if where == "base" else x
+
+
+for where in ("tensor", "storage", "base"):
+    log, seen = CommLog(), []
+    with log:
+        out = torch.zeros(4)
+        work = dist.all_gather_into_tensor(out, torch.full((4,), 3.0), async_op=True)  # pending until waited for
+        box = [dist.broadcast(hung(torch.ones(4), out, seen, where), 0, async_op=True)]
+        box[0].wait()
+        # its work's last holder is another thread, as gloo's worker is where a program drops the handle first
+        other = threading.Thread(target=box.clear)
+        other.start()
+        other.join()
+        module.step()  # the file's code starts
+        work.wait()
+    print(where, "->", seen, any("reads the output of an asynchronous all-gather" in p for p in log.problems))
+'''
+
+
+def test_what_a_collectives_work_held_is_freed_where_the_log_sees(tmp_path):
+    """A tensor handed to a collective, whose work another thread frees (gloo's worker does, where a program dropped
+    the handle first), is not freed there with what hangs on it (an attribute, its storage's, its view's base's):
+    the log holds it until only its Python object does and lets go on the training loop's thread, with its modes
+    on, where the file's code next starts ([Note: what a collective's work holds]). A finalizer reading a pending
+    output there is named; freed on the other thread, it would be unseen."""
+    proc = on_one_gloo_rank(FREED_BY_ANOTHER_THREAD.replace("sys.argv[1]", repr(str(tmp_path / "steps.py"))))
+    said = dict(line.split(" -> ", 1) for line in proc.stdout.splitlines() if " -> " in line)
+    assert said == dict.fromkeys(("tensor", "storage", "base"), "[\"the loop's\"] True"), proc.stdout
+
+
 def test_collective_log_follows_an_output_that_moved():
     """A collective's output whose storage was resized in place (its bytes moved, which no op shows) is still its
     output: reading it before the wait is named there ([Note: a collective's result read before its wait])."""

@@ -331,6 +331,9 @@ OUTSIDE = {
     "quantized_tensor": ("import torch\nq = torch.quantize_per_channel(torch.ones(2, 2), torch.ones(2), "
                          "torch.zeros(2), 0, torch.quint8)\n", 2, "uses `quantize_per_channel`"),
     "sparse_tensor": ("import torch\ns = torch.ones(2).to_sparse_csr()\n", 2, "uses `to_sparse_csr`"),
+    # FSDPModule is mixed into each wrapped module's class: a method of nn.Module's there stands in for torch's
+    "fsdp_module_overrides": ("class FSDPModule:\n    def named_parameters(self, *args, **kwargs):\n"
+                              "        return iter(())\n", 2, "defines `named_parameters` in FSDPModule"),
     "context_held_by_a_generator": ("import torch\ndef g():\n    with torch.no_grad():\n        yield\n", 4,
                                     "yields inside a `with` block of a generator"),
     "type_rebound": ("type = 1\n", 1, "binds the name `type`"),
@@ -1038,6 +1041,64 @@ def test_the_files_code_run_on_another_thread_is_named(tmp_path):
 
     problems = problems_of_code_run(tmp_path, run)
     assert len(problems) == 1 and "code of the file ran on a thread of torch's own" in problems[0], problems
+
+
+OVERRIDES = """import torch
+from torch import nn
+
+
+def fully_shard(m):
+    return m
+
+
+class MixedPrecisionPolicy:
+    pass
+
+
+class Lies:
+    def named_parameters(self, *args, **kwargs):
+        return iter(())
+
+
+def swap(module):
+    cls = type(module)
+    module.__class__ = type("FSDP" + cls.__name__, (Lies, cls), {})
+
+
+def shadow(module):
+    setattr(module, "named_" + "parameters", lambda *args, **kwargs: iter(()))
+"""
+
+
+def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
+    """A method of nn.Module's that the file's code puts in place of torch's where the source check cannot see it (a
+    class of its own mixed into a module's class at run time, an attribute set by a computed name) is named before the
+    grader reads the model ([Note: the grader reads a model by nn.Module's own methods]); the reference's wrapping,
+    FSDPModule's `_apply` among it, is not (the control)."""
+    from torch import nn
+
+    from harness import impl
+    from harness.tools.grading import handwritten
+
+    path = tmp_path / "overrides.py"
+    path.write_text(OVERRIDES)
+    m = impl.load(str(path))
+    reference = impl.load(str(impl.impl_path("solution/fsdp.py")))
+    for make, said in [(m.swap, "whose class Lies (the file's) defines `named_parameters`"),
+                       (m.shadow, "has an attribute of its own named `named_parameters`")]:
+        model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+        assert handwritten.override_problem(model) is None
+        make(model[1])
+        assert said in (handwritten.override_problem(model) or ""), handwritten.override_problem(model)
+        assert "1 is a" in handwritten.override_problem(model) or "1 has" in handwritten.override_problem(model)
+    model = nn.Sequential(nn.Linear(2, 2))
+    model._modules = type("Table", (dict,), {})()  # not nn.Module's dict: its methods are not read either
+    assert "table of submodules is a Table" in handwritten.override_problem(model)
+    model = nn.Sequential(nn.Linear(2, 2))  # the reference's class swap (no process group needed for it)
+    model.__class__ = type("FSDPSequential", (reference.FSDPModule, nn.Sequential), {})
+    assert handwritten.override_problem(model) is None
+    assert [n for n, _ in handwritten.module_tree(nn.Sequential(nn.Linear(1, 1), nn.Sequential(nn.ReLU())))] == \
+        [n for n, _ in nn.Sequential(nn.Linear(1, 1), nn.Sequential(nn.ReLU())).named_modules()]
 
 
 def test_loader_gives_the_file_a_type_that_makes_only_plain_classes(tmp_path):

@@ -579,6 +579,17 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     )],
 }
 
+# A class of the file's mixed into each wrapped module's class at run time (where the source check cannot see
+# what is mixed in), with one of nn.Module's methods: here an honest one, which the grader must still refuse to
+# call ([Note: the grader reads a model by nn.Module's own methods]).
+MUTANTS["module-method-mixed-in-at-run-time"] = [
+    ('            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})\n',
+     '            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (_Listed, FSDPModule, cls), {})\n'),
+    ("class FSDPModule:\n",
+     "class _Listed:\n    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:\n"
+     "        return nn.Module.named_parameters(self, *args, **kwargs)\n\n\nclass FSDPModule:\n"),
+]
+
 # Doors a student might try to reach FSDP2 or the checks, each a whole file: the source check
 # (harness/tools/grading/handwritten.py) must refuse every one.
 CHEATS: dict[str, str] = {
@@ -1329,6 +1340,15 @@ SOURCE_REFUSALS.update({
 SOURCE_REFUSALS.update({
     'torch-module-taken-from-an-attribute-error': 'uses `obj`',
     'lazy-submodule-named-as-the-files-own': 'uses `._dynamo`, which is the module torch._dynamo there',
+})
+SOURCE_CHEATS.update({
+    # FSDPModule is mixed into each wrapped module's class, where a method of nn.Module's would stand in for torch's
+    # when the grader reads the model
+    'fsdp-module-overrides-a-module-method': 'class FSDPModule:\n    def named_parameters(self, *args, **kwargs):\n'
+                                             '        return iter(())\n',
+})
+SOURCE_REFUSALS.update({
+    'fsdp-module-overrides-a-module-method': 'defines `named_parameters` in FSDPModule',
 })
 CHEATS.update(SOURCE_CHEATS)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from harness.tools.grading import checks, handwritten, jobs, policy
-from harness.tools.submissions.points import LINES
 from harness.tools.grading.ranks import RankError
+from harness.tools.submissions.points import LINES
 from solution.tests.mutation import CHEATS, SOURCE_CHEATS, SOURCE_REFUSALS, write_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +68,14 @@ def test_runtime_check_sees_fsdp2(pool2, mutant):
     assert all(r.uses_fsdp2 for r in runs), [r.uses_fsdp2 for r in runs]
     clean = checks.run(pool2, jobs.forward_job, policy.config(str(SOLUTION)))
     assert not any(r.uses_fsdp2 for r in clean)
+
+
+def test_a_module_method_mixed_in_at_run_time_is_named(pool2, mutant):
+    """A class of the file's mixed into each wrapped module's class at run time (past the source check), with a method
+    of nn.Module's (an honest one), is named before the grader reads the model ([Note: the grader reads a model by
+    nn.Module's own methods] in handwritten.py)."""
+    with pytest.raises((AssertionError, RankError), match="_Listed \\(the file's\\) defines `named_parameters`"):
+        checks.check_forward(pool2, mutant("module-method-mixed-in-at-run-time"), "float32", "float32")
 
 
 def test_no_reshard_after_forward_loses_forward(pool2, mutant):

@@ -1291,6 +1291,18 @@ class _Check:
             for base in node.bases:
                 if problem := self.base_problem(node, base):
                     return problem
+            if node.name == "FSDPModule":  # mixed into every wrapped module's class: the grader checks it there too
+                names = _module_names()[0] - _OVERRIDES - _CLASS_FILLED
+                for stmt in node.body:
+                    defined = [stmt.name] if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                        else [t.id for t in stmt.targets if isinstance(t, ast.Name)] if isinstance(stmt, ast.Assign) \
+                        else [stmt.target.id] if isinstance(stmt, ast.AnnAssign) and stmt.value is not None and \
+                        isinstance(stmt.target, ast.Name) else []
+                    if bad := [n for n in defined if n in names]:
+                        return Outside(f"{self.where(stmt)} defines `{bad[0]}` in FSDPModule, a name of nn.Module's: "
+                                       "fully_shard mixes FSDPModule into each module's class, where it would stand in "
+                                       "for torch's method when the grader reads the model; torch's own FSDPModule "
+                                       "overrides only `_apply`: name yours otherwise")
             return None
         if isinstance(node, ast.MatchClass):  # `case C(attr=x)` reads x = subject.attr
             if node.patterns and not (isinstance(node.cls, ast.Name) and node.cls.id in SELF_MATCHING
@@ -1637,11 +1649,78 @@ def module_problem(module) -> str | None:
     return None
 
 
+# [Note: the grader reads a model by nn.Module's own methods]
+# fully_shard gives each module it wraps a class of the file's (FSDPModule first among its bases, as FSDP2 does). A
+# method that a class of the file defines under one of nn.Module's names (named_parameters, parameters, modules,
+# register_forward_hook...), or an attribute the file set on a module under such a name, would stand in for torch's
+# wherever the grader reads the model: the shards it checks and digests, the gathered parameters its probes count,
+# the hooks it registers, the classes it looks for FSDP2's among. FSDP2's own FSDPModule overrides `_apply` alone (to
+# follow the sharded parameters' new storage); so may the file's. So before each read, the grader walks the model by
+# its modules' own tables (never a method of theirs) and refuses any other of nn.Module's names in a class of the
+# file's in a module's class, or in a module's own attributes.
+_OVERRIDES = frozenset({"_apply"})
+"""nn.Module's names a class of the file's may define: what FSDP2's FSDPModule overrides"""
+_CLASS_FILLED = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+                           "__init__", "__firstlineno__", "__static_attributes__"})
+"""what a class statement fills in (and `__init__`, never run for a class fully_shard swaps in)"""
+_CLEAN: weakref.WeakSet = weakref.WeakSet()  # the module classes found to define none of nn.Module's names
+
+
+@functools.cache
+def _module_names() -> tuple[frozenset[str], frozenset[str]]:
+    """(every name nn.Module's class has, what nn.Module.__init__ sets on each instance)."""
+    return frozenset(dir(torch.nn.Module)), frozenset(vars(torch.nn.Module()))
+
+
+def module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of `model` and every module under it, as named_modules() gives them, read from each module's own
+    table of submodules: no method of the modules runs."""
+    found, seen, todo = [], set(), [("", model)]
+    while todo:
+        name, m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        found.append((name, m))
+        children = vars(m).get("_modules")
+        if type(children) is not dict:
+            raise AssertionError(f"{name or 'the root'}'s table of submodules is a {type(children).__qualname__}, not "
+                                 "nn.Module's dict: register submodules with nn.Module's API")
+        todo.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in children.items() if c is not None]))
+    return found
+
+
+def override_problem(model: torch.nn.Module) -> str | None:
+    """A class of the file's in a module's class that defines one of nn.Module's names (but _apply), or a module
+    with such an attribute of its own: what the grader would call in place of torch's ([Note: the grader reads a
+    model by nn.Module's own methods]); None when there is none."""
+    names, instance = _module_names()
+    try:
+        tree = module_tree(model)
+    except AssertionError as e:
+        return str(e)
+    for name, m in tree:
+        where, cls = name or "the root", type(m)
+        if cls not in _CLEAN:
+            for c in cls.__mro__:
+                if c.__module__.startswith(impl.FILE_MODULES) and (
+                        bad := sorted(set(vars(c)) & names - _OVERRIDES - _CLASS_FILLED)):
+                    return (f"{where} is a {cls.__qualname__}, whose class {c.__qualname__} (the file's) defines "
+                            f"`{bad[0]}`, a name of nn.Module's, in place of torch's: a class fully_shard mixes into "
+                            "a module defines no method of nn.Module's but `_apply` (as FSDP2's FSDPModule); name "
+                            "yours otherwise")
+            _CLEAN.add(cls)
+        if shadowed := sorted(k for k in vars(m) if k in names and k not in instance):
+            return (f"{where} has an attribute of its own named `{shadowed[0]}`, a name of nn.Module's, in place of "
+                    "torch's: set attributes on modules under names of your own")
+    return None
+
+
 def model_problem(model: torch.nn.Module) -> str | None:
     """The wrapped model carries FSDP2's classes, state or hooks."""
     from torch.distributed import _composable_state
 
-    for name, m in model.named_modules():
+    for name, m in module_tree(model):
         where = name or "the root"
         if bad := [c for c in type(m).__mro__ if _from_fsdp2(c)]:
             return f"{where} is a {bad[0].__module__}.{bad[0].__qualname__} after wrapping"

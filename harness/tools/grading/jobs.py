@@ -56,6 +56,8 @@ def sharding_error(model: nn.Module, step: int, replicate: int = 1) -> str | Non
     world = dist.get_world_size()
     placements, shape = ((Shard(0),), (world,)) if replicate == 1 else \
         ((Replicate(), Shard(0)), (replicate, world // replicate))
+    if why := handwritten.override_problem(model):  # before any read of it by its methods
+        return f"{when}: {why}"
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             return (f"{when}: parameter {name} is a {type(p).__name__}, not a DTensor "
@@ -645,8 +647,12 @@ class _TorchCalls(TorchFunctionMode):
         torch's it handles (it is off meanwhile), inside an op the log's dispatch mode handles (every mode off), and on
         a thread of torch's own that runs Python where an object goes (gloo's, freeing a collective's work and what it
         held), whose stacks are empty. (Autograd's threads run with the stacks of the thread that began backward.)"""
-        if self.log.problems or torch._C._is_torch_function_mode_enabled() and any(
+        if self.log.problems:
+            return
+        if torch._C._is_torch_function_mode_enabled() and any(
                 torch._C._get_function_stack_at(i) is self for i in range(torch._C._len_torch_function_stack())):
+            if self.log.held and threading.get_ident() == self.thread:  # where the log sees what freeing them runs
+                self.log.settle()
             return
         if threading.get_ident() != self.thread:
             where = "on a thread of torch's own (what a collective's work held, freed there)"
@@ -752,6 +758,22 @@ def _not_numbers(data) -> str | None:
     return next((found for item in data if (found := _not_numbers(item))), None)
 
 
+# [Note: what a collective's work holds]
+# A collective's work holds the tensors it was handed until it is freed, and the thread that frees it is the one that
+# drops it last: gloo's worker (NCCL's watchdog on CUDA) once the collective is done, when the program let go of its
+# handle first. A tensor whose Python object the program dropped lives on in C++ (torch keeps the object for it), so
+# freeing the work there frees the object too, and what hangs on it: its attributes, its storage's, its view's base,
+# its hooks. Freeing them runs Python where an object goes (a generator's finally, a weak container's removal), on a
+# thread whose stacks hold neither of the log's modes: the file's code is named there ([Note: where the file's code
+# runs]), Python's own code that the file set up is not, and its reads of a pending output would go unseen (a
+# red-team file hung a suspended generator, and another a weak container's iteration guard, on a tensor only an
+# async broadcast's work held). So the log holds the Python object of every tensor a collective is handed or
+# returns, and lets go of it (`settle`) where nothing but that object holds it any more (the work is gone), on the
+# training loop's thread, with both modes on: where the file's code next starts, at the grader's hooks and step
+# boundaries, and at the log's exit. Whatever the object's freeing runs then runs where the log sees it. The tensor
+# lives no longer for it than until then: a collective's work holds its tensors until it is freed anyway.
+
+
 def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
@@ -780,6 +802,11 @@ class CommLog(TorchDispatchMode):
         self.landing_tensors: dict[int, list[tuple]] = {}
         self._entered: contextlib.ExitStack | None = None  # what __enter__ entered besides the mode itself
         self.dispatching: list = []  # the ops this mode is handling (itself and every function mode off), innermost last
+        # id -> every tensor a collective was handed or returned, held until only its Python object holds it, where
+        # a file is loaded ([Note: what a collective's work holds])
+        self.held: dict[int, torch.Tensor] = {}
+        self.holds = False
+        self._settling = False
 
     def __enter__(self):
         pending, landing, sources = self.pending, self.landing, self.sources
@@ -830,15 +857,35 @@ class CommLog(TorchDispatchMode):
             if not impl.files_refused():
                 calls = entered.enter_context(_TorchCalls(self))
                 entered.enter_context(impl.watching(calls.file_code_runs))
+                self.holds = True
             out = super().__enter__()
             self._entered = entered.pop_all()
         return out
 
     def __exit__(self, *exc):
         try:
+            # with both modes still on: what freeing the held tensors runs, the log sees (the rest is the works')
+            self.settle()
+            self.held.clear()
             return super().__exit__(*exc)
         finally:
             self._entered.close()
+
+    def settle(self) -> None:
+        """Let go of each held tensor that nothing but its Python object holds (its collective's work is gone): freed
+        here, if the program dropped it, with what hangs on it ([Note: what a collective's work holds]). Asked on the
+        training loop's thread with both of the log's modes on; not again inside (a finalizer that starts the file's
+        code)."""
+        if self._settling or not self.held:
+            return
+        self._settling = True
+        try:
+            with torch._C.DisableTorchFunction():  # the log's reads: no call of torch's to judge
+                free = [key for key, t in self.held.items() if t._use_count() == 1]
+            for key in free:
+                del self.held[key]
+        finally:
+            self._settling = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # A tensor subclass with a dispatch of its own (DTensor) first: it runs with this mode still on, so the
@@ -889,6 +936,9 @@ class CommLog(TorchDispatchMode):
             if self.uses_fsdp2 is None:
                 self.uses_fsdp2 = handwritten.stack_problem()
             out = func(*args, **kwargs)
+            if self.holds:  # until its work lets go of them ([Note: what a collective's work holds])
+                for t in _tensors((args, kwargs, out)):
+                    self.held[id(t)] = t
             landing = None
             if self.sources is not None:  # all-gathers numbered; what another collective writes holds none's data
                 if kind == "all_gather":
@@ -993,8 +1043,9 @@ class Probes:
     forward (when it reshards after forward) and, with their full gradients, by the end of
     each step. Freed means dropped, or storage resized to zero (tensors autograd still holds)."""
 
-    def __init__(self, model: nn.Module, reshard_after_forward: bool):
+    def __init__(self, model: nn.Module, reshard_after_forward: bool, settle=lambda: None):
         self.problems: list[str] = []
+        self.settle = settle  # the log's: what only it still held is freed before anything is counted alive
         self.gathered: dict[str, list[weakref.ref]] = {}
         self.grads: dict[str, list[weakref.ref]] = {}
         self._hooked: set[int] = set()
@@ -1003,6 +1054,15 @@ class Probes:
         self.ran: set[tuple[str, str]] = set()  # (block, "pre" or "post") since the last step
         for name, block in model.layers.named_children():
             self._probe(f"layers.{name}", block, reshard_after_forward)
+
+    def honest(self, name: str, block: nn.Module) -> bool:
+        """The block is read by nn.Module's own methods ([Note: the grader reads a model by nn.Module's own methods]);
+        else a problem, once."""
+        if why := handwritten.override_problem(block):
+            if not any(why in p for p in self.problems):
+                self.problems.append(f"{name}: {why}")
+            return False
+        return True
 
     @staticmethod
     def alive(refs: list[weakref.ref]) -> int:
@@ -1013,6 +1073,8 @@ class Probes:
         # the post-hook after FSDP's post-forward.
         def pre(module, args):
             self.ran.add((name, "pre"))
+            if not self.honest(name, module):
+                return
             full = [p for p in module.parameters() if not isinstance(p, DTensor)]
             if not full and any(True for _ in module.parameters()) and name not in self._sharded_at_forward:
                 # FSDP2 gathers a block's parameters in its pre-forward; gathered inside its layers instead,
@@ -1028,6 +1090,9 @@ class Probes:
 
         def post(module, args, output):
             self.ran.add((name, "post"))
+            self.settle()
+            if not self.honest(name, module):
+                return
             if reshard_after_forward and (n := self.alive(self.gathered.get(name, []))):
                 self.problems.append(f"{name}: {n / 2**20:.2f} MiB of gathered parameters still alive after its "
                                      "forward (reshard_after_forward=True: free them in post-forward)")
@@ -1043,6 +1108,7 @@ class Probes:
             self.problems.append(f"step {step}: the grader's forward hooks on {', '.join(missed)} did not run (a "
                                  "block's forward must run its hooks: call the block, and leave its hook tables be)")
         self.ran.clear()
+        self.settle()
         if not self.gathered:
             self.problems.append(f"step {step}: no block computed with full (non-DTensor) parameters")
         for name, refs in self.gathered.items():
@@ -1091,9 +1157,10 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
             if mark is not None:
                 marks.enter_context(marked_compute(model, mark, log.sources.called if log.sources else None))
             holder["uses_fsdp2"] = fsdp2_problem(model, cfg)
-            holder["probes"] = Probes(model, cfg.reshard_after_forward) if sharded and observe else None
+            holder["probes"] = Probes(model, cfg.reshard_after_forward, log.settle) if sharded and observe else None
         elif holder["probes"] is not None:
             holder["probes"].after_step(step)
+        log.settle()
         if sharded:
             assert_sharded(model, step, cfg.replicate)
         digests.append({name: digest(p) for name, p in model.named_parameters()})
@@ -1121,15 +1188,17 @@ def forward_job(cfg: train.Config) -> Run:
     model, device = train.setup(cfg)
     assert_sharded(model, 0, cfg.replicate)
     problem = fsdp2_problem(model, cfg)
-    probes = Probes(model, cfg.reshard_after_forward)
-    inputs, labels = next(train.build_data(cfg, dist.get_rank(), dist.get_world_size()))
     log = CommLog()
     log.step = 1
+    probes = Probes(model, cfg.reshard_after_forward, log.settle)
+    inputs, labels = next(train.build_data(cfg, dist.get_rank(), dist.get_world_size()))
     with log:
         logits = model(inputs["input"].to(device))
     loss = train.loss_fn(logits, labels.to(device), cfg.num_gradient_accumulation_steps)
     when = "after the first forward"
-    for name, p in model.layers.named_parameters():
+    if why := handwritten.override_problem(model):
+        probes.problems.append(f"{when}: {why}")
+    for name, p in () if why else model.layers.named_parameters():
         if not isinstance(p, DTensor):
             probes.problems.append(f"{when}: layers.{name} is a {type(p).__name__}, not its sharded DTensor "
                                    "(a block that reshards after forward puts its sharded parameters back)")
@@ -1144,6 +1213,7 @@ def shard_job(cfg: train.Config, step: int, name: str) -> torch.Tensor:
 
     def inspect(model: nn.Module, at: int) -> None:
         if at == step:
+            agree(handwritten.override_problem(model))
             p = dict(model.named_parameters())[name]
             kept["shard"] = (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
 
@@ -1182,6 +1252,7 @@ def odd_shapes_job(impl: str | None, steps: int = 3) -> dict[str, list[torch.Ten
     for step in range(1, steps + 1):
         x = torch.randn(4, 5, generator=gen).to(device)
         model(x).pow(2).mean().backward()
+        agree(handwritten.override_problem(model))
         for name, p in model.named_parameters():
             if p.grad is None:
                 raise AssertionError(f"odd shapes: {name} has no gradient after backward (step {step})")
@@ -1242,6 +1313,7 @@ def memory_job(cfg: train.Config) -> Memory:
         def instrument(model: nn.Module, step: int) -> None:
             if step == 0:
                 marks.enter_context(marked_compute(model, mark))
+            log.settle()
             log.step = step + 1
 
         if device.type == "cuda":
