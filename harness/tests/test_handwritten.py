@@ -1091,9 +1091,10 @@ def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
         make(model[1])
         assert said in (handwritten.override_problem(model) or ""), handwritten.override_problem(model)
         assert "1 is a" in handwritten.override_problem(model) or "1 has" in handwritten.override_problem(model)
-    model = nn.Sequential(nn.Linear(2, 2))
-    model._modules = type("Table", (dict,), {})()  # not nn.Module's dict: its methods are not read either
-    assert "table of submodules is a Table" in handwritten.override_problem(model)
+    for table in ("_modules", "_parameters", "_buffers"):  # not nn.Module's dict: its methods are not read either
+        model = nn.Sequential(nn.Linear(2, 2))
+        setattr(model[0], table, type("Table", (dict,), {})())
+        assert f"0's table {table} is a Table" in handwritten.override_problem(model), table
     model = nn.Sequential(nn.Linear(2, 2))  # the reference's class swap (no process group needed for it)
     model.__class__ = type("FSDPSequential", (reference.FSDPModule, nn.Sequential), {})
     assert handwritten.override_problem(model) is None

@@ -1682,10 +1682,13 @@ def module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             continue
         seen.add(id(m))
         found.append((name, m))
-        children = vars(m).get("_modules")
-        if type(children) is not dict:
-            raise AssertionError(f"{name or 'the root'}'s table of submodules is a {type(children).__qualname__}, not "
-                                 "nn.Module's dict: register submodules with nn.Module's API")
+        own = vars(m)
+        for table in ("_modules", "_parameters", "_buffers"):  # what nn.Module's methods read, by their own methods
+            if type(own.get(table)) is not dict:
+                raise AssertionError(f"{name or 'the root'}'s table {table} is a {type(own.get(table)).__qualname__}, "
+                                     "not nn.Module's dict: register parameters, buffers and submodules with "
+                                     "nn.Module's API (register_parameter, setattr, del)")
+        children = own["_modules"]
         todo.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in children.items() if c is not None]))
     return found
 
