@@ -733,6 +733,38 @@ def test_what_a_collectives_work_held_is_freed_where_the_log_sees(tmp_path):
     assert said == dict.fromkeys(("tensor", "storage", "base"), "[\"the loop's\"] True"), proc.stdout
 
 
+FREED_BEFORE_THE_OPTIMIZER_STEP = """
+import os, time, weakref, torch, torch.distributed as dist
+from harness.tools.grading.jobs import CommLog
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
+p = torch.nn.Parameter(torch.ones(2))
+p.grad = torch.ones(2)
+optimizer = torch.optim.SGD([p], lr=0.1)
+log = CommLog()
+with log:
+    x = torch.ones(1 << 16)
+    gone = weakref.ref(x)
+    dist.all_reduce(x, async_op=True).wait()
+    del x  # the program's last reference: only the log holds it, and gloo's worker until it lets the work go
+    while any(t._use_count() > 1 for t in log.held.values()):
+        time.sleep(0.01)
+    seen = []
+    handle = optimizer.register_step_pre_hook(lambda *args: seen.append(gone() is None))
+    optimizer.step()
+    handle.remove()
+print("freed before the step ->", seen)
+"""
+
+
+def test_what_only_the_log_held_is_freed_before_the_optimizer_step():
+    """The training loop's optimizer step allocates (its state, in step 1) after the file's last code of a step: a
+    collective's tensor that only the log still held is freed before it, as it would have been without the log, so
+    the log adds nothing to the peak memory it judges ([Note: what a collective's work holds])."""
+    said = dict(line.split(" -> ", 1) for line in on_one_gloo_rank(FREED_BEFORE_THE_OPTIMIZER_STEP).stdout.splitlines()
+                if " -> " in line)
+    assert said == {"freed before the step": "[True]"}, said
+
+
 def test_collective_log_follows_an_output_that_moved():
     """A collective's output whose storage was resized in place (its bytes moved, which no op shows) is still its
     output: reading it before the wait is named there ([Note: a collective's result read before its wait])."""

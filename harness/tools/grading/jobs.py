@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
@@ -769,8 +770,8 @@ def _not_numbers(data) -> str | None:
 # red-team file hung a suspended generator, and another a weak container's iteration guard, on a tensor only an
 # async broadcast's work held). So the log holds the Python object of every tensor a collective is handed or
 # returns, and lets go of it (`settle`) where nothing but that object holds it any more (the work is gone), on the
-# training loop's thread, with both modes on: where the file's code next starts, at the grader's hooks and step
-# boundaries, and at the log's exit. Whatever the object's freeing runs then runs where the log sees it. The tensor
+# training loop's thread, with both modes on: where the file's code next starts, before the loop's optimizer step, at
+# the grader's hooks and step boundaries, and at the log's exit. Whatever the object's freeing runs then runs where the log sees it. The tensor
 # lives no longer for it than until then: a collective's work holds its tensors until it is freed anyway.
 
 
@@ -858,6 +859,10 @@ class CommLog(TorchDispatchMode):
                 calls = entered.enter_context(_TorchCalls(self))
                 entered.enter_context(impl.watching(calls.file_code_runs))
                 self.holds = True
+                # the loop's optimizer step allocates (its state, in step 1) after the file's last code of a step:
+                # what only the log still held goes first, as it would have without the log
+                entered.callback(register_optimizer_step_pre_hook(
+                    lambda optimizer, args, kwargs: self.settle()).remove)
             out = super().__enter__()
             self._entered = entered.pop_all()
         return out
