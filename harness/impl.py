@@ -719,8 +719,9 @@ _INPLACE = {ast.Add: "iadd", ast.Sub: "isub", ast.Mult: "imul", ast.MatMult: "im
 # pending collective's output there is no read to the log. Which objects torch may call back is a question without end
 # (runs_files_code answers it for what a file is likely to hand torch); where the file's code runs is not. So every
 # place the file's code starts or resumes running calls `__effdl_here__()` first: a function's body, a lambda's, an
-# except or finally block (what a closed generator runs), a comprehension's expressions, the point after each yield
-# and await. The call asks the watcher (the log's mode, while it is on: `watching`) whether it runs inside a call of
+# except or finally block (what a closed generator runs), the point after a `with` block (where it goes on when the
+# context swallowed the exception a closed generator raised at its yield), a comprehension's expressions, the point
+# after each yield and await. The call asks the watcher (the log's mode, while it is on: `watching`) whether it runs inside a call of
 # torch's it handles, or inside an op the log's dispatch mode handles (a kernel that calls back, with every mode off),
 # or on a thread of torch's own (gloo's, freeing what a collective's work held): wherever the log's function mode is not
 # on the running thread's stack, it is a problem. The file cannot name the call or avoid it (dunders are refused).
@@ -793,6 +794,14 @@ class _MarkRuns(ast.NodeTransformer):
         return node
 
     visit_TryStar = visit_Try
+
+    def visit_With(self, node):
+        """The point after a `with` block: where the file's code goes on when the context's exit swallowed an exception
+        (`contextlib.suppress`: a GeneratorExit thrown in at a yield inside, where torch frees a generator)."""
+        self.generic_visit(node)
+        return [node, ast.copy_location(ast.Expr(self.here(node)), node)]
+
+    visit_AsyncWith = visit_With
 
     def resumed(self, node):
         self.generic_visit(node)

@@ -334,6 +334,9 @@ OUTSIDE = {
     # FSDPModule is mixed into each wrapped module's class: a method of nn.Module's there stands in for torch's
     "fsdp_module_overrides": ("class FSDPModule:\n    def named_parameters(self, *args, **kwargs):\n"
                               "        return iter(())\n", 2, "defines `named_parameters` in FSDPModule"),
+    # a context entered by hand (its method read off it) stays on, and is left wherever Python frees it
+    "context_entered_by_hand": ("import contextlib\ncm = contextlib.nullcontext()\nenter = cm.__enter__\n", 3,
+                                "uses `cm.__enter__`: enter a context with a `with` statement"),
     "context_held_by_a_generator": ("import torch\ndef g():\n    with torch.no_grad():\n        yield\n", 4,
                                     "yields inside a `with` block of a generator"),
     "type_rebound": ("type = 1\n", 1, "binds the name `type`"),
@@ -914,7 +917,8 @@ def test_loader_refuses_a_modules_tables_and_a_tensors_internals_by_a_computed_n
     assert module.m._fsdp_state == 1 and module.m.weight is module.p and module.p._fsdp_tag == 2
 
 
-RUNS_INSIDE = """import weakref
+RUNS_INSIDE = """import contextlib
+import weakref
 
 import torch
 
@@ -963,14 +967,24 @@ def hang(t, gen):
     t.grad.later = gen  # the same
 
 
-def closed_in_torch(ps):
+def suppressing(ps):
+    with contextlib.suppress(BaseException):  # the GeneratorExit a close raises at the yield: swallowed here
+        yield
+    ps[0].runs += 1
+
+
+def closed_in_torch(ps, make=waiting):
     holder = torch.zeros(1, requires_grad=True)
     put(holder, torch.zeros(1))
-    gen = waiting(ps)
+    gen = make(ps)
     next(gen)
     hang(holder, gen)
     del gen
     put(holder, torch.zeros(1))  # the old gradient's last reference goes inside torch's setter of .grad
+
+
+def suppressed_in_torch(ps):
+    closed_in_torch(ps, suppressing)
 """
 
 
@@ -993,12 +1007,12 @@ def problems_of_code_run(tmp_path, run) -> list[str]:
     return log.problems
 
 
-@pytest.mark.parametrize("call", ["in_torch", "closed_in_torch"])
+@pytest.mark.parametrize("call", ["in_torch", "closed_in_torch", "suppressed_in_torch"])
 def test_the_files_code_run_inside_a_call_of_torchs_is_named(tmp_path, call):
     """Code of the file that torch runs inside one of its calls (an object it draws from a carrier no walk of the
-    arguments looks into, a generator closed where torch frees it) runs with the log's function mode off: the place
-    it runs asks the log, which names it ([Note: where the file's code runs] in impl.py); the same code run by the
-    file itself is not named (the control)."""
+    arguments looks into, a generator closed where torch frees it, going on after a `with` whose context swallowed
+    the close) runs with the log's function mode off: the place it runs asks the log, which names it ([Note: where
+    the file's code runs] in impl.py); the same code run by the file itself is not named (the control)."""
     problems = problems_of_code_run(tmp_path, lambda m, ps: getattr(m, call)(ps))
     assert len(problems) == 1 and "code of the file ran inside torch's" in problems[0], problems
 

@@ -1350,6 +1350,18 @@ SOURCE_CHEATS.update({
 SOURCE_REFUSALS.update({
     'fsdp-module-overrides-a-module-method': 'defines `named_parameters` in FSDPModule',
 })
+SOURCE_CHEATS.update({
+    # round 45's: a @contextmanager entered by hand (its __enter__ read off it), hung on a gradient torch's setter
+    # frees, whose `suppress` swallows the close at its yield and goes on past any mark into a copy of a pending output
+    'context-entered-by-hand-and-suppressed': 'import contextlib\n\nimport torch\n\n\n@contextlib.contextmanager\n'
+                                              'def armed(out, seen):\n    with contextlib.suppress(BaseException):\n'
+                                              '        yield 1\n    seen.append(out.clone())\n\n\n'
+                                              'def arm(out, seen):\n    cm = armed(out, seen)\n'
+                                              '    enter = cm.__enter__\n    enter()\n    return cm\n',
+})
+SOURCE_REFUSALS.update({
+    'context-entered-by-hand-and-suppressed': 'uses `cm.__enter__`',
+})
 CHEATS.update(SOURCE_CHEATS)
 
 

@@ -811,6 +811,12 @@ class _Check:
                 # `enum.Enum.__call__` is enum.Enum, past every rule that reads which class is called
                 return Outside(f"{where} uses `.__call__`: call the object itself (obj(...), or super().__call__(...) "
                                "in a method), so the check reads what is called")
+            if name in ("__enter__", "__exit__") and isinstance(node, ast.Attribute):
+                # (defined in a class of the file's, as a method's name: fine) read off an object, it is a context
+                # entered or left by hand: a generator's context held open, and closed wherever torch frees it
+                return Outside(f"{where} uses `{ast.unparse(node)}`: enter a context with a `with` statement, which "
+                               "also leaves it (a context entered by hand may stay on, and be left wherever Python "
+                               "frees it)")
             if name in ALLOWED_DUNDERS:
                 return None
             if name in ("__setattr__", "__delattr__"):
