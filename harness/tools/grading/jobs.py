@@ -652,7 +652,7 @@ class _TorchCalls(TorchFunctionMode):
             return
         if torch._C._is_torch_function_mode_enabled() and any(
                 torch._C._get_function_stack_at(i) is self for i in range(torch._C._len_torch_function_stack())):
-            if self.log.held and threading.get_ident() == self.thread:  # where the log sees what freeing them runs
+            if self.log.held:  # where the log sees what freeing them runs (autograd's device thread: its stacks)
                 self.log.settle()
             return
         if threading.get_ident() != self.thread:
@@ -763,16 +763,19 @@ def _not_numbers(data) -> str | None:
 # A collective's work holds the tensors it was handed until it is freed, and the thread that frees it is the one that
 # drops it last: gloo's worker (NCCL's watchdog on CUDA) once the collective is done, when the program let go of its
 # handle first. A tensor whose Python object the program dropped lives on in C++ (torch keeps the object for it), so
-# freeing the work there frees the object too, and what hangs on it: its attributes, its storage's, its view's base,
-# its hooks. Freeing them runs Python where an object goes (a generator's finally, a weak container's removal), on a
-# thread whose stacks hold neither of the log's modes: the file's code is named there ([Note: where the file's code
-# runs]), Python's own code that the file set up is not, and its reads of a pending output would go unseen (a
-# red-team file hung a suspended generator, and another a weak container's iteration guard, on a tensor only an
-# async broadcast's work held). So the log holds the Python object of every tensor a collective is handed or
-# returns, and lets go of it (`settle`) where nothing but that object holds it any more (the work is gone), on the
-# training loop's thread, with both modes on: where the file's code next starts, before the loop's optimizer step, at
-# the grader's hooks and step boundaries, and at the log's exit. Whatever the object's freeing runs then runs where the log sees it. The tensor
-# lives no longer for it than until then: a collective's work holds its tensors until it is freed anyway.
+# freeing the work there frees the object too, and what hangs on it: its attributes, its view's base, its hooks.
+# Freeing them runs Python where an object goes (a generator's finally, a weak container's removal), on a thread
+# whose stacks hold neither of the log's modes: the file's code is named there ([Note: where the file's code runs]),
+# Python's own code that the file set up is not, and its reads of a pending output would go unseen (a red-team file
+# hung a suspended generator, and another a weak container's iteration guard, on a tensor only an async broadcast's
+# work held). So the log holds the Python object of every tensor a collective is handed or returns, and lets go of it
+# (`settle`) where nothing but that object holds it any more (the work is gone), with both modes on: where the file's
+# code next starts (on the loop's thread, or autograd's device thread, which runs with its stacks), before the loop's
+# optimizer step, at the grader's hooks and step boundaries, and at the log's exit. Whatever the object's freeing runs
+# then runs where the log sees it. The tensor lives no longer for it than until then: a collective's work holds its
+# tensors until it is freed anyway. (A storage's own Python object is not held: gloo's work keeps views of an
+# all-gather's output that hold its storage and not the tensor, but nothing of the file's can hang on a storage: the
+# source check lets a file use `untyped_storage()` only in place, to resize and measure it.)
 
 
 def _phase() -> str:
@@ -878,17 +881,17 @@ class CommLog(TorchDispatchMode):
 
     def settle(self) -> None:
         """Let go of each held tensor that nothing but its Python object holds (its collective's work is gone): freed
-        here, if the program dropped it, with what hangs on it ([Note: what a collective's work holds]). Asked on the
-        training loop's thread with both of the log's modes on; not again inside (a finalizer that starts the file's
-        code)."""
+        here, if the program dropped it, with what hangs on it ([Note: what a collective's work holds]). Asked where
+        both of the log's modes are on (the training loop's thread, or autograd's device thread, which runs with its
+        stacks); not again inside (a finalizer that starts the file's code)."""
         if self._settling or not self.held:
             return
-        self._settling = True
+        self._settling = True  # (autograd's other thread settling meanwhile skips: holding longer is safe)
         try:
             with torch._C.DisableTorchFunction():  # the log's reads: no call of torch's to judge
-                free = [key for key, t in self.held.items() if t._use_count() == 1]
+                free = [key for key, t in list(self.held.items()) if t._use_count() == 1]
             for key in free:
-                del self.held[key]
+                self.held.pop(key, None)
         finally:
             self._settling = False
 
