@@ -107,6 +107,67 @@ def load(impl: str) -> ModuleType:
     return module
 
 
+# [Note: a class the file mixes into a module]
+# fully_shard gives each module it wraps a class of the file's (FSDPModule first among its bases, as FSDP2 does), and
+# the grader reads the wrapped model as torch's: its parameters and submodules (named_parameters, parameters,
+# modules), the hooks it registers on its blocks, `model.layers`. A class of the file's in a module's class stands in
+# for torch's wherever it defines what those reads look up: one of nn.Module's names, or a submodule's, parameter's
+# or buffer's name (a property `layers` showed the grader's probes decoy blocks), or anything but a plain method
+# (a descriptor runs the file's code on a mere lookup). FSDP2's FSDPModule defines plain methods, and overrides
+# `_apply` alone of nn.Module's; so may the file's. So a module's class is checked where the file sets it (`__class__`,
+# through the loader's setattr), and again before every read of the grader's (handwritten.override_problem); a class
+# of the file's, once in a module's class, changes no more; and the file sets none of nn.Module's names on a module,
+# nor its tables to anything but dicts.
+MODULE_OVERRIDES = frozenset({"_apply"})
+"""nn.Module's names a class of the file's may define: what FSDP2's FSDPModule overrides"""
+CLASS_FILLED = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+                          "__firstlineno__", "__static_attributes__"})
+"""what a class statement fills in itself"""
+MODULE_TABLES = ("_modules", "_parameters", "_buffers")
+_MIXED: weakref.WeakSet = weakref.WeakSet()  # the file's classes found in a module's class (setattr's, delattr's)
+
+
+@functools.cache
+def module_names() -> tuple[frozenset[str], frozenset[str]]:
+    """(every name nn.Module's class has, what nn.Module.__init__ sets on each instance)."""
+    import torch
+
+    return frozenset(dir(torch.nn.Module)), frozenset(vars(torch.nn.Module()))
+
+
+def files_class(cls) -> bool:
+    """`cls` is a class a file under test defined (or made with its guarded type)."""
+    module = vars(cls).get("__module__")
+    return type(module) is str and module.startswith(FILE_MODULES)
+
+
+def mixin_problem(cls: type, module) -> str | None:
+    """Why `cls` may not be `module`'s class ([Note: a class the file mixes into a module]), or None."""
+    names = module_names()[0]
+    held = set()
+    for table in MODULE_TABLES:
+        if type(found := vars(module).get(table)) is dict:
+            held.update(dict.keys(found))
+    for c in cls.__mro__:
+        if not files_class(c):
+            continue
+        for name, value in vars(c).items():
+            if name in CLASS_FILLED:
+                continue
+            if type(value) is not types.FunctionType:
+                return (f"its class's base {c.__qualname__} (the file's) defines `{name}` as a {type(value).__name__}, "
+                        "not a plain method: a class mixed into a module defines plain methods only (a descriptor "
+                        "runs on a mere lookup)")
+            if name in names and name not in MODULE_OVERRIDES:
+                return (f"its class's base {c.__qualname__} (the file's) defines `{name}`, a name of nn.Module's, in "
+                        "place of torch's: a class mixed into a module defines none of nn.Module's methods but `_apply` "
+                        "(as FSDP2's FSDPModule); name yours otherwise")
+            if name in held:
+                return (f"its class's base {c.__qualname__} (the file's) defines `{name}`, the name of one of its "
+                        "submodules, parameters or buffers, which it would hide: name yours otherwise")
+    return None
+
+
 # [Note: setattr and delattr of a file under test]
 # An FSDP sets a module's parameter under a name it computes (`setattr(module, name, param)`), and the
 # source check (harness/tools/grading/handwritten.py) cannot follow a computed name to the object it
@@ -141,6 +202,8 @@ def _guarded(builtin, own: str):
         shown = obj if isinstance(obj, not_instances) else type(obj).__name__
         return TypeError(f"{builtin.__name__}({shown!r}, {name!r}, ...): {why}")
 
+    mixed = _MIXED
+
     def guarded(obj, name, *value):  # every attribute write of the file: only checks here, nothing built
         if type(name) is not str:  # a str of the file's class answers the tests below its own way (its __len__)
             raise refused(obj, name, "a file under test names an attribute with a plain str")
@@ -154,6 +217,23 @@ def _guarded(builtin, own: str):
             raise refused(obj, name, "a file under test replaces none of a module's own tables (its hooks, its "
                           "training flag) or private methods: use nn.Module's API (register_parameter, "
                           "register_forward_pre_hook, ...) and name your own attributes otherwise")
+        if isinstance(obj, torch.nn.Module) and name in module_names()[0] and name != "__class__":
+            raise refused(obj, name, "a file under test sets none of nn.Module's names on a module (the grader calls "
+                          "them there as torch's: [Note: a class the file mixes into a module]): name your attribute "
+                          "otherwise")
+        if isinstance(obj, torch.nn.Module) and name in MODULE_TABLES and (not value or type(value[0]) is not dict):
+            raise refused(obj, name, "a module's tables of parameters, buffers and submodules stay nn.Module's dicts: "
+                          "register them with nn.Module's API (register_parameter, setattr, del)")
+        if name == "__class__" and isinstance(obj, torch.nn.Module) and value:
+            if not isinstance(value[0], type):
+                raise refused(obj, name, "a module's class is a class")
+            if why := mixin_problem(value[0], obj):
+                raise refused(obj, name, why)
+            mixed.update(c for c in value[0].__mro__ if files_class(c))
+        if isinstance(obj, type) and obj in mixed:
+            raise refused(obj, name, "a class of the file's in a module's class changes no more (the grader reads the "
+                          "module as torch's: [Note: a class the file mixes into a module]): set what changes on "
+                          "instances")
         if isinstance(obj, torch.Tensor):
             defined = inspect.getattr_static(type(obj), name, None)  # what the tensor's class names so
             if name[:1] == "_" and defined is not None:

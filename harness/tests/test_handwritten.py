@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import pytest
 
@@ -331,9 +330,14 @@ OUTSIDE = {
     "quantized_tensor": ("import torch\nq = torch.quantize_per_channel(torch.ones(2, 2), torch.ones(2), "
                          "torch.zeros(2), 0, torch.quint8)\n", 2, "uses `quantize_per_channel`"),
     "sparse_tensor": ("import torch\ns = torch.ones(2).to_sparse_csr()\n", 2, "uses `to_sparse_csr`"),
-    # FSDPModule is mixed into each wrapped module's class: a method of nn.Module's there stands in for torch's
+    # FSDPModule is mixed into each wrapped module's class: a method of nn.Module's there stands in for torch's,
+    # and a property or a class attribute could hide the module's own (its `layers`)
     "fsdp_module_overrides": ("class FSDPModule:\n    def named_parameters(self, *args, **kwargs):\n"
                               "        return iter(())\n", 2, "defines `named_parameters` in FSDPModule"),
+    "fsdp_module_property": ("class FSDPModule:\n    @property\n    def layers(self):\n        return 1\n", 3,
+                             "defines `layers` in FSDPModule as other than a plain method"),
+    "fsdp_module_class_attribute": ("class FSDPModule:\n    layers = 1\n", 2,
+                                    "defines `layers` in FSDPModule as other than a plain method"),
     # a context entered by hand (its method read off it) stays on, and is left wherever Python frees it
     "context_entered_by_hand": ("import contextlib\ncm = contextlib.nullcontext()\nenter = cm.__enter__\n", 3,
                                 "uses `cm.__enter__`: enter a context with a `with` statement"),
@@ -1074,21 +1078,45 @@ class Lies:
         return iter(())
 
 
-def swap(module):
+class Hides:
+    def weight(self):
+        return None
+
+
+class Plain:
+    def reshard(self):
+        return None
+
+
+def nothing(*args, **kwargs):
+    return iter(())
+
+
+def swap(module, mixin=Lies):
     cls = type(module)
-    module.__class__ = type("FSDP" + cls.__name__, (Lies, cls), {})
+    module.__class__ = type("FSDP" + cls.__name__, (mixin, cls), {})
 
 
 def shadow(module):
-    setattr(module, "named_" + "parameters", lambda *args, **kwargs: iter(()))
+    setattr(module, "named_" + "parameters", nothing)
+
+
+def table(module):
+    setattr(module, "_param" + "eters", [])
+
+
+def later():
+    setattr(Plain, "named_" + "parameters", nothing)
 """
 
 
 def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
-    """A method of nn.Module's that the file's code puts in place of torch's where the source check cannot see it (a
-    class of its own mixed into a module's class at run time, an attribute set by a computed name) is named before the
-    grader reads the model ([Note: the grader reads a model by nn.Module's own methods]); the reference's wrapping,
-    FSDPModule's `_apply` among it, is not (the control)."""
+    """What would stand in for torch's where the grader reads a wrapped model (one of nn.Module's methods in a class
+    of the file's mixed into a module's class, or set on a module by a computed name; a method hiding a parameter; a
+    table that is not nn.Module's dict; a method added to a class already mixed in) is refused where the file sets it
+    ([Note: a class the file mixes into a module] in impl.py), and named before the grader's reads where the loader's
+    guard is passed by ([Note: the grader reads a model by nn.Module's own methods]); the reference's class swap, its
+    `_apply` among it, is neither (the control)."""
     from torch import nn
 
     from harness import impl
@@ -1098,20 +1126,38 @@ def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
     path.write_text(OVERRIDES)
     m = impl.load(str(path))
     reference = impl.load(str(impl.impl_path("solution/fsdp.py")))
-    for make, said in [(m.swap, "whose class Lies (the file's) defines `named_parameters`"),
-                       (m.shadow, "has an attribute of its own named `named_parameters`")]:
+    for make, said in [(lambda mod: m.swap(mod), "(the file's) defines `named_parameters`, a name of nn.Module's"),
+                       (lambda mod: m.swap(mod, m.Hides), "defines `weight`, the name of one of its submodules"),
+                       (m.shadow, "sets none of nn.Module's names on a module"),
+                       (m.table, "tables of parameters, buffers and submodules stay nn.Module's dicts")]:
         model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+        with pytest.raises(TypeError, match=re.escape(said)):
+            make(model[1][0])
         assert handwritten.override_problem(model) is None
-        make(model[1])
+    model = nn.Sequential(nn.Linear(2, 2))
+    m.swap(model[0], m.Plain)  # a plain method of its own: fine
+    with pytest.raises(TypeError, match="changes no more"):
+        m.later()
+    # past the loader's guard (as a door in it would be), the grader's walk names each before it reads
+    for mixin, said in [(m.Lies, "0 is a FSDPLinear: its class's base Lies (the file's) defines `named_parameters`"),
+                        (m.Hides, "0 is a FSDPLinear: its class's base Hides (the file's) defines `weight`")]:
+        model = nn.Sequential(nn.Linear(2, 2))
+        model[0].__class__ = type("FSDPLinear", (mixin, nn.Linear), {})
         assert said in (handwritten.override_problem(model) or ""), handwritten.override_problem(model)
-        assert "1 is a" in handwritten.override_problem(model) or "1 has" in handwritten.override_problem(model)
+    model = nn.Sequential(nn.Linear(2, 2))
+    object.__setattr__(model[0], "named_parameters", m.nothing)
+    assert "0 has an attribute of its own named `named_parameters`" in handwritten.override_problem(model)
     for table in ("_modules", "_parameters", "_buffers"):  # not nn.Module's dict: its methods are not read either
         model = nn.Sequential(nn.Linear(2, 2))
-        setattr(model[0], table, type("Table", (dict,), {})())
+        object.__setattr__(model[0], table, type("Table", (dict,), {})())
         assert f"0's table {table} is a Table" in handwritten.override_problem(model), table
-    model = nn.Sequential(nn.Linear(2, 2))  # the reference's class swap (no process group needed for it)
-    model.__class__ = type("FSDPSequential", (reference.FSDPModule, nn.Sequential), {})
-    assert handwritten.override_problem(model) is None
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0]._parameters["bias"] = [1.0]
+    assert "0's _parameters holds a list as `bias`" in handwritten.override_problem(model)
+    model = nn.Sequential(nn.Linear(2, 2))  # the reference's class swap
+    cls = type(model)
+    model.__class__ = type(f"FSDP{cls.__name__}", (reference.FSDPModule, cls), {})
+    assert impl.mixin_problem(type(model), model) is None and handwritten.override_problem(model) is None
     assert [n for n, _ in handwritten.module_tree(nn.Sequential(nn.Linear(1, 1), nn.Sequential(nn.ReLU())))] == \
         [n for n, _ in nn.Sequential(nn.Linear(1, 1), nn.Sequential(nn.ReLU())).named_modules()]
 

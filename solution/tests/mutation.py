@@ -582,6 +582,15 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
 # A class of the file's mixed into each wrapped module's class at run time (where the source check cannot see
 # what is mixed in), with one of nn.Module's methods: here an honest one, which the grader must still refuse to
 # call ([Note: the grader reads a model by nn.Module's own methods]).
+# Round 45's: a property of the file's mixed in the same way, under a submodule's name (`layers`: it showed the
+# grader's probes decoy blocks while the real ones ran).
+MUTANTS["property-mixed-in-at-run-time"] = [
+    ('            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})\n',
+     '            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (_Shows, FSDPModule, cls), {})\n'),
+    ("class FSDPModule:\n",
+     "class _Shows:\n    @property\n    def layers(self) -> Any:\n"
+     "        return self._modules[\"layers\"]\n\n\nclass FSDPModule:\n"),
+]
 MUTANTS["module-method-mixed-in-at-run-time"] = [
     ('            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})\n',
      '            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (_Listed, FSDPModule, cls), {})\n'),

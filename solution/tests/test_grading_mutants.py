@@ -8,6 +8,7 @@ subprocess, as graders do, and read its table.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,12 +71,15 @@ def test_runtime_check_sees_fsdp2(pool2, mutant):
     assert not any(r.uses_fsdp2 for r in clean)
 
 
-def test_a_module_method_mixed_in_at_run_time_is_named(pool2, mutant):
+@pytest.mark.parametrize("name, said", [
+    ("module-method-mixed-in-at-run-time", "_Listed (the file's) defines `named_parameters`, a name of nn.Module's"),
+    ("property-mixed-in-at-run-time", "_Shows (the file's) defines `layers` as a property, not a plain method")])
+def test_a_module_method_mixed_in_at_run_time_is_named(pool2, mutant, name, said):
     """A class of the file's mixed into each wrapped module's class at run time (past the source check), with a method
-    of nn.Module's (an honest one), is named before the grader reads the model ([Note: the grader reads a model by
-    nn.Module's own methods] in handwritten.py)."""
-    with pytest.raises((AssertionError, RankError), match="_Listed \\(the file's\\) defines `named_parameters`"):
-        checks.check_forward(pool2, mutant("module-method-mixed-in-at-run-time"), "float32", "float32")
+    of nn.Module's (an honest one) or a property, is refused where the file sets the class ([Note: a class the file
+    mixes into a module] in impl.py): the graded check fails saying so."""
+    with pytest.raises((AssertionError, RankError), match=re.escape(said)):
+        checks.check_forward(pool2, mutant(name), "float32", "float32")
 
 
 def test_no_reshard_after_forward_loses_forward(pool2, mutant):

@@ -1298,7 +1298,7 @@ class _Check:
                 if problem := self.base_problem(node, base):
                     return problem
             if node.name == "FSDPModule":  # mixed into every wrapped module's class: the grader checks it there too
-                names = _module_names()[0] - _OVERRIDES - _CLASS_FILLED
+                names = impl.module_names()[0] - impl.MODULE_OVERRIDES - impl.CLASS_FILLED
                 for stmt in node.body:
                     defined = [stmt.name] if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
                         else [t.id for t in stmt.targets if isinstance(t, ast.Name)] if isinstance(stmt, ast.Assign) \
@@ -1309,6 +1309,15 @@ class _Check:
                                        "fully_shard mixes FSDPModule into each module's class, where it would stand in "
                                        "for torch's method when the grader reads the model; torch's own FSDPModule "
                                        "overrides only `_apply`: name yours otherwise")
+                    if defined and not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) or any(
+                            isinstance(self.resolve(d), type) or isinstance(d, ast.Name) and d.id in _DESCRIBING or
+                            isinstance(d, ast.Attribute) and d.attr in ("setter", "getter", "deleter")
+                            for d in getattr(stmt, "decorator_list", ())):
+                        return Outside(f"{self.where(stmt)} defines `{defined[0]}` in FSDPModule as other than a plain "
+                                       "method (a class attribute, a property, a class): fully_shard mixes FSDPModule "
+                                       "into each module's class, where it could hide the module's own attributes "
+                                       "from the grader; keep state on the module (self._fsdp_state) and define "
+                                       "plain methods")
             return None
         if isinstance(node, ast.MatchClass):  # `case C(attr=x)` reads x = subject.attr
             if node.patterns and not (isinstance(node.cls, ast.Name) and node.cls.id in SELF_MATCHING
@@ -1656,31 +1665,21 @@ def module_problem(module) -> str | None:
 
 
 # [Note: the grader reads a model by nn.Module's own methods]
-# fully_shard gives each module it wraps a class of the file's (FSDPModule first among its bases, as FSDP2 does). A
-# method that a class of the file defines under one of nn.Module's names (named_parameters, parameters, modules,
-# register_forward_hook...), or an attribute the file set on a module under such a name, would stand in for torch's
-# wherever the grader reads the model: the shards it checks and digests, the gathered parameters its probes count,
-# the hooks it registers, the classes it looks for FSDP2's among. FSDP2's own FSDPModule overrides `_apply` alone (to
-# follow the sharded parameters' new storage); so may the file's. So before each read, the grader walks the model by
-# its modules' own tables (never a method of theirs) and refuses any other of nn.Module's names in a class of the
-# file's in a module's class, or in a module's own attributes.
-_OVERRIDES = frozenset({"_apply"})
-"""nn.Module's names a class of the file's may define: what FSDP2's FSDPModule overrides"""
-_CLASS_FILLED = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
-                           "__init__", "__firstlineno__", "__static_attributes__"})
-"""what a class statement fills in (and `__init__`, never run for a class fully_shard swaps in)"""
-_CLEAN: weakref.WeakSet = weakref.WeakSet()  # the module classes found to define none of nn.Module's names
+# Before each read of the wrapped model (its shards, digests, the gathered parameters its probes count, the hooks it
+# registers, which leaves compute), the grader walks it by its modules' own tables, never a method of theirs, and
+# checks each module: its tables are nn.Module's dicts of modules and tensors, no attribute of its own hides one of
+# nn.Module's names or a table's, and its class passes impl.mixin_problem ([Note: a class the file mixes into a
+# module], harness/impl.py). The loader refuses the same where the file sets them; this stands behind it, uncached
+# (what a class of the file's holds is read each time), with no collection between the check and the read.
 
 
-@functools.cache
-def _module_names() -> tuple[frozenset[str], frozenset[str]]:
-    """(every name nn.Module's class has, what nn.Module.__init__ sets on each instance)."""
-    return frozenset(dir(torch.nn.Module)), frozenset(vars(torch.nn.Module()))
+_DESCRIBING = frozenset({"property", "staticmethod", "classmethod"})
+"""builtins whose decoration makes a method a descriptor, not a plain function"""
 
 
 def module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of `model` and every module under it, as named_modules() gives them, read from each module's own
-    table of submodules: no method of the modules runs."""
+    tables (which must be nn.Module's dicts of modules and tensors): no method of the modules runs."""
     found, seen, todo = [], set(), [("", model)]
     while todo:
         name, m = todo.pop()
@@ -1689,39 +1688,38 @@ def module_tree(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         seen.add(id(m))
         found.append((name, m))
         own = vars(m)
-        for table in ("_modules", "_parameters", "_buffers"):  # what nn.Module's methods read, by their own methods
-            if type(own.get(table)) is not dict:
-                raise AssertionError(f"{name or 'the root'}'s table {table} is a {type(own.get(table)).__qualname__}, "
-                                     "not nn.Module's dict: register parameters, buffers and submodules with "
-                                     "nn.Module's API (register_parameter, setattr, del)")
+        for table, kind in (("_modules", torch.nn.Module), ("_parameters", torch.Tensor), ("_buffers", torch.Tensor)):
+            held = own.get(table)
+            if type(held) is not dict:
+                raise AssertionError(f"{name or 'the root'}'s table {table} is a {type(held).__qualname__}, not "
+                                     "nn.Module's dict: register parameters, buffers and submodules with nn.Module's "
+                                     "API (register_parameter, setattr, del)")
+            if bad := next((k for k, v in dict.items(held) if v is not None and not isinstance(v, kind)), None):
+                raise AssertionError(f"{name or 'the root'}'s {table} holds a {type(held[bad]).__qualname__} as "
+                                     f"`{bad}`: a module's tables hold modules and tensors")
         children = own["_modules"]
-        todo.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in children.items() if c is not None]))
+        todo.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in dict.items(children) if c is not None]))
     return found
 
 
 def override_problem(model: torch.nn.Module) -> str | None:
-    """A class of the file's in a module's class that defines one of nn.Module's names (but _apply), or a module
-    with such an attribute of its own: what the grader would call in place of torch's ([Note: the grader reads a
-    model by nn.Module's own methods]); None when there is none."""
-    names, instance = _module_names()
+    """A module of `model` whose class or own attributes stand in for torch's where the grader reads it ([Note: the
+    grader reads a model by nn.Module's own methods]); None when there is none."""
+    names, instance = impl.module_names()
     try:
         tree = module_tree(model)
     except AssertionError as e:
         return str(e)
     for name, m in tree:
-        where, cls = name or "the root", type(m)
-        if cls not in _CLEAN:
-            for c in cls.__mro__:
-                if c.__module__.startswith(impl.FILE_MODULES) and (
-                        bad := sorted(set(vars(c)) & names - _OVERRIDES - _CLASS_FILLED)):
-                    return (f"{where} is a {cls.__qualname__}, whose class {c.__qualname__} (the file's) defines "
-                            f"`{bad[0]}`, a name of nn.Module's, in place of torch's: a class fully_shard mixes into "
-                            "a module defines no method of nn.Module's but `_apply` (as FSDP2's FSDPModule); name "
-                            "yours otherwise")
-            _CLEAN.add(cls)
-        if shadowed := sorted(k for k in vars(m) if k in names and k not in instance):
-            return (f"{where} has an attribute of its own named `{shadowed[0]}`, a name of nn.Module's, in place of "
-                    "torch's: set attributes on modules under names of your own")
+        where = name or "the root"
+        if why := impl.mixin_problem(type(m), m):
+            return f"{where} is a {type(m).__qualname__}: {why}"
+        own = vars(m)
+        held = {k for table in impl.MODULE_TABLES for k in dict.keys(own[table])}
+        if shadowed := sorted(k for k in own if k in names and k not in instance or k in held):
+            return (f"{where} has an attribute of its own named `{shadowed[0]}`, a name of nn.Module's or of one of "
+                    "its submodules, parameters or buffers, in place of torch's: set attributes on modules under names "
+                    "of your own")
     return None
 
 

@@ -778,6 +778,19 @@ def _not_numbers(data) -> str | None:
 # source check lets a file use `untyped_storage()` only in place, to resize and measure it.)
 
 
+@contextlib.contextmanager
+def no_collection():
+    """No garbage collection while on: a finalizer of the file's would run its code between a check and what it
+    guards."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
@@ -1081,10 +1094,12 @@ class Probes:
         # the post-hook after FSDP's post-forward.
         def pre(module, args):
             self.ran.add((name, "pre"))
-            if not self.honest(name, module):
-                return
-            full = [p for p in module.parameters() if not isinstance(p, DTensor)]
-            if not full and any(True for _ in module.parameters()) and name not in self._sharded_at_forward:
+            with no_collection():
+                if not self.honest(name, module):
+                    return
+                full = [p for p in module.parameters() if not isinstance(p, DTensor)]
+                held = any(True for _ in module.parameters())
+            if not full and held and name not in self._sharded_at_forward:
                 # FSDP2 gathers a block's parameters in its pre-forward; gathered inside its layers instead,
                 # they would never be seen here, nor their freeing checked
                 self._sharded_at_forward.add(name)
@@ -1099,8 +1114,9 @@ class Probes:
         def post(module, args, output):
             self.ran.add((name, "post"))
             self.settle()
-            if not self.honest(name, module):
-                return
+            with no_collection():
+                if not self.honest(name, module):
+                    return
             if reshard_after_forward and (n := self.alive(self.gathered.get(name, []))):
                 self.problems.append(f"{name}: {n / 2**20:.2f} MiB of gathered parameters still alive after its "
                                      "forward (reshard_after_forward=True: free them in post-forward)")
@@ -1161,17 +1177,20 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
     sharded = cfg.fsdp != "none"
 
     def inspect(model: nn.Module, step: int) -> None:
-        if step == 0:
-            if mark is not None:
-                marks.enter_context(marked_compute(model, mark, log.sources.called if log.sources else None))
-            holder["uses_fsdp2"] = fsdp2_problem(model, cfg)
-            holder["probes"] = Probes(model, cfg.reshard_after_forward, log.settle) if sharded and observe else None
-        elif holder["probes"] is not None:
-            holder["probes"].after_step(step)
-        log.settle()
-        if sharded:
-            assert_sharded(model, step, cfg.replicate)
-        digests.append({name: digest(p) for name, p in model.named_parameters()})
+        # checked before anything reads the model ([Note: the grader reads a model by nn.Module's own methods]), with
+        # no collection between the check and the reads (a finalizer of the file's could change the model there)
+        with no_collection():
+            log.settle()
+            if sharded:
+                assert_sharded(model, step, cfg.replicate)
+            if step == 0:
+                if mark is not None:
+                    marks.enter_context(marked_compute(model, mark, log.sources.called if log.sources else None))
+                holder["uses_fsdp2"] = fsdp2_problem(model, cfg)
+                holder["probes"] = Probes(model, cfg.reshard_after_forward, log.settle) if sharded and observe else None
+            elif holder["probes"] is not None:
+                holder["probes"].after_step(step)
+            digests.append({name: digest(p) for name, p in model.named_parameters()})
         log.step = step + 1
 
     # A profiled run with allocation events on CPU counts tensor memory as the memory job does (memory.TensorPeaks'
@@ -1320,7 +1339,9 @@ def memory_job(cfg: train.Config) -> Memory:
     with marked_waits(), log, contextlib.ExitStack() as marks:
         def instrument(model: nn.Module, step: int) -> None:
             if step == 0:
-                marks.enter_context(marked_compute(model, mark))
+                with no_collection():  # before marked_compute reads it, and the loop's optimizer takes its parameters
+                    agree(handwritten.override_problem(model))
+                    marks.enter_context(marked_compute(model, mark))
             log.settle()
             log.step = step + 1
 
