@@ -582,6 +582,13 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
 # A class of the file's mixed into each wrapped module's class at run time (where the source check cannot see
 # what is mixed in), with one of nn.Module's methods: here an honest one, which the grader must still refuse to
 # call ([Note: the grader reads a model by nn.Module's own methods]).
+# Round 45's: full parameters whose bytes did not all come from the all-gather (here a selection by a random draw that
+# never picks the other side: the values, and the loss, are FSDP2's); the first forward's data following names it.
+MUTANTS["full-parameters-not-only-gathered"] = [
+    ("        self.gathered.data.view(gathered_columns.shape).copy_(gathered_columns)\n",
+     "        self.gathered.data.view(gathered_columns.shape).copy_(torch.where(\n"
+     "            torch.randn_like(gathered_columns) > 100, gathered_columns + 1, gathered_columns))\n"),
+]
 # Round 45's: a property of the file's mixed in the same way, under a submodule's name (`layers`: it showed the
 # grader's probes decoy blocks while the real ones ran).
 MUTANTS["property-mixed-in-at-run-time"] = [

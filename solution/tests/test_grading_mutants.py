@@ -82,6 +82,14 @@ def test_a_module_method_mixed_in_at_run_time_is_named(pool2, mutant, name, said
         checks.check_forward(pool2, mutant(name), "float32", "float32")
 
 
+def test_full_parameters_not_from_the_all_gather_lose_forward(pool2, mutant):
+    """Full parameters whose bytes did not all come from this forward's all-gathers (a copy kept from elsewhere; here a
+    selection by a random draw, the values and the loss FSDP2's all the same) are named by the first forward's data
+    following ([Note: where the model's parameters came from])."""
+    with pytest.raises(AssertionError, match="holds data no all-gather of this forward brought"):
+        checks.check_forward(pool2, mutant("full-parameters-not-only-gathered"), "float32", "float32")
+
+
 def test_no_reshard_after_forward_loses_forward(pool2, mutant):
     with pytest.raises(AssertionError, match="still alive after its forward"):
         checks.check_forward(pool2, mutant("no-reshard-after-forward"), "float32", "float32")

@@ -115,8 +115,9 @@ def assert_no_problems(runs: list, what: str) -> None:
 
 def check_forward(pool: Ranks, impl: str, param_dtype: str, reduce_dtype: str) -> str:
     """Task 1, forward: the first forward's loss bit-identical to FSDP2's on every rank, parameters
-    Shard(0) DTensors before and the blocks' after, each block's gathered parameters freed after
-    its forward, and the forward's all-gathers (dtype, bytes) FSDP2's. Returns the evidence."""
+    Shard(0) DTensors before and the blocks' after, each block's gathered parameters holding data this
+    forward's all-gathers brought (jobs.Probes.brought) and freed after its forward, and the forward's
+    all-gathers (dtype, bytes) FSDP2's. Returns the evidence."""
     __tracebackhide__ = True
     cfg = config(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     what = describe(cfg, pool.world_size) + ", first forward"

@@ -1064,9 +1064,12 @@ class Probes:
     forward (when it reshards after forward) and, with their full gradients, by the end of
     each step. Freed means dropped, or storage resized to zero (tensors autograd still holds)."""
 
-    def __init__(self, model: nn.Module, reshard_after_forward: bool, settle=lambda: None):
+    def __init__(self, model: nn.Module, reshard_after_forward: bool, settle=lambda: None,
+                 sources: Sources | None = None):
         self.problems: list[str] = []
         self.settle = settle  # the log's: what only it still held is freed before anything is counted alive
+        # the log's data following (the first forward's): each block's gathered parameters must hold all-gathered data
+        self.sources = sources
         self.gathered: dict[str, list[weakref.ref]] = {}
         self.grads: dict[str, list[weakref.ref]] = {}
         self._hooked: set[int] = set()
@@ -1085,6 +1088,22 @@ class Probes:
             return False
         return True
 
+    def brought(self, name: str, block: nn.Module) -> None:
+        """Each of the block's gathered (full) parameters holds, in every byte, data that an all-gather of this
+        forward brought ([Note: where the model's parameters came from]): not a copy kept from wrapping, nor one
+        made otherwise (the collectives' sizes alone would let a program gather zeros beside it)."""
+        with torch._C.DisableTorchFunction():  # as the log reads tensors
+            for pname, p in block.named_parameters():
+                if isinstance(p, DTensor) or not _followed(p) or _extent(p) is None:
+                    continue
+                found = _gathered(self.sources.held(p))
+                if NONE_GATHERED in found or not found:
+                    self.problems.append(
+                        f"{name}: its gathered parameter {pname} holds data no all-gather of this forward brought (a "
+                        "copy kept from wrapping, or made otherwise): fill a block's full parameters from the "
+                        "all-gather of its shards, in its pre-forward")
+                    return
+
     @staticmethod
     def alive(refs: list[weakref.ref]) -> int:
         return sum(t.untyped_storage().nbytes() for r in refs if (t := r()) is not None)
@@ -1099,6 +1118,8 @@ class Probes:
                     return
                 full = [p for p in module.parameters() if not isinstance(p, DTensor)]
                 held = any(True for _ in module.parameters())
+                if self.sources is not None and full:
+                    self.brought(name, module)
             if not full and held and name not in self._sharded_at_forward:
                 # FSDP2 gathers a block's parameters in its pre-forward; gathered inside its layers instead,
                 # they would never be seen here, nor their freeing checked
@@ -1215,9 +1236,9 @@ def forward_job(cfg: train.Config) -> Run:
     model, device = train.setup(cfg)
     assert_sharded(model, 0, cfg.replicate)
     problem = fsdp2_problem(model, cfg)
-    log = CommLog()
+    log = CommLog(drawn_mark())  # its data followed: where each block's gathered parameters came from
     log.step = 1
-    probes = Probes(model, cfg.reshard_after_forward, log.settle)
+    probes = Probes(model, cfg.reshard_after_forward, log.settle, log.sources)
     inputs, labels = next(train.build_data(cfg, dist.get_rank(), dist.get_world_size()))
     with log:
         logits = model(inputs["input"].to(device))
