@@ -112,9 +112,11 @@ def load(impl: str) -> ModuleType:
 # the grader reads the wrapped model as torch's: its parameters and submodules (named_parameters, parameters,
 # modules), the hooks it registers on its blocks, `model.layers`. A class of the file's in a module's class stands in
 # for torch's wherever it defines what those reads look up: one of nn.Module's names, or a submodule's, parameter's
-# or buffer's name (a property `layers` showed the grader's probes decoy blocks), or anything but a plain method
-# (a descriptor runs the file's code on a mere lookup). FSDP2's FSDPModule defines plain methods, and overrides
-# `_apply` alone of nn.Module's; so may the file's. So a module's class is checked where the file sets it (`__class__`,
+# or buffer's name (a property `layers` showed the grader's probes decoy blocks), a method the module's own class
+# defines (a `values` of the blocks' ModuleDict ran each block's forward past its hooks, with full parameters kept
+# aside), or anything but a plain method (a descriptor runs the file's code on a mere lookup). FSDP2's FSDPModule defines plain methods, and overrides
+# `_apply` alone of nn.Module's; so may the file's (a module class wholly the file's own, which stands in for no class
+# of the model's, also defines `__init__`, `forward` and `extra_repr`, as any module does). So a module's class is checked where the file sets it (`__class__`,
 # through the loader's setattr), and again before every read of the grader's (handwritten.override_problem); a class
 # of the file's, once in a module's class, changes no more; and the file sets none of nn.Module's names on a module,
 # nor its tables to anything but dicts.
@@ -141,27 +143,46 @@ def files_class(cls) -> bool:
     return type(module) is str and module.startswith(FILE_MODULES)
 
 
+OWN_MODULE = frozenset({"__init__", "forward", "extra_repr"})
+"""what a module class of the file's own (no class but the file's, nn.Module and object in its MRO) defines as any
+module does: it stands in for no class of torch's or the model's"""
+
+
 def mixin_problem(cls: type, module) -> str | None:
     """Why `cls` may not be `module`'s class ([Note: a class the file mixes into a module]), or None."""
+    import torch
+
     names = module_names()[0]
     held = set()
     for table in MODULE_TABLES:
         if type(found := vars(module).get(table)) is dict:
             held.update(dict.keys(found))
+    own = all(files_class(c) or c is torch.nn.Module or c is object for c in cls.__mro__)
+    theirs = {}  # every name the classes not the file's define (the model's, torch's): the first that does
+    for c in reversed(cls.__mro__):
+        if not files_class(c):
+            theirs.update(dict.fromkeys(vars(c), c))
     for c in cls.__mro__:
         if not files_class(c):
             continue
         for name, value in vars(c).items():
-            if name in CLASS_FILLED:
+            if name in CLASS_FILLED or own and name in OWN_MODULE and type(value) is types.FunctionType:
                 continue
             if type(value) is not types.FunctionType:
                 return (f"its class's base {c.__qualname__} (the file's) defines `{name}` as a {type(value).__name__}, "
                         "not a plain method: a class mixed into a module defines plain methods only (a descriptor "
                         "runs on a mere lookup)")
-            if name in names and name not in MODULE_OVERRIDES:
+            if name in MODULE_OVERRIDES:
+                continue
+            if name in names:
                 return (f"its class's base {c.__qualname__} (the file's) defines `{name}`, a name of nn.Module's, in "
                         "place of torch's: a class mixed into a module defines none of nn.Module's methods but `_apply` "
                         "(as FSDP2's FSDPModule); name yours otherwise")
+            if name in theirs:
+                return (f"its class's base {c.__qualname__} (the file's) defines `{name}`, which its class "
+                        f"{theirs[name].__qualname__} defines: a class mixed into a module adds methods and overrides "
+                        "none of the module's own (the model calls them: `values()` of the blocks' ModuleDict, "
+                        "`init_weights`); name yours otherwise")
             if name in held:
                 return (f"its class's base {c.__qualname__} (the file's) defines `{name}`, the name of one of its "
                         "submodules, parameters or buffers, which it would hide: name yours otherwise")

@@ -1083,9 +1083,22 @@ class Hides:
         return None
 
 
+class Resets:
+    def reset_parameters(self):
+        return None
+
+
 class Plain:
     def reshard(self):
         return None
+
+
+class Own(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return x
 
 
 def nothing(*args, **kwargs):
@@ -1112,8 +1125,9 @@ def later():
 
 def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
     """What would stand in for torch's where the grader reads a wrapped model (one of nn.Module's methods in a class
-    of the file's mixed into a module's class, or set on a module by a computed name; a method hiding a parameter; a
-    table that is not nn.Module's dict; a method added to a class already mixed in) is refused where the file sets it
+    of the file's mixed into a module's class, or set on a module by a computed name; a method hiding a parameter, or
+    one the module's own class defines; a table that is not nn.Module's dict; a method added to a class already mixed
+    in) is refused where the file sets it
     ([Note: a class the file mixes into a module] in impl.py), and named before the grader's reads where the loader's
     guard is passed by ([Note: the grader reads a model by nn.Module's own methods]); the reference's class swap, its
     `_apply` among it, is neither (the control)."""
@@ -1125,9 +1139,9 @@ def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
     path = tmp_path / "overrides.py"
     path.write_text(OVERRIDES)
     m = impl.load(str(path))
-    reference = impl.load(str(impl.impl_path("solution/fsdp.py")))
     for make, said in [(lambda mod: m.swap(mod), "(the file's) defines `named_parameters`, a name of nn.Module's"),
                        (lambda mod: m.swap(mod, m.Hides), "defines `weight`, the name of one of its submodules"),
+                       (lambda mod: m.swap(mod, m.Resets), "defines `reset_parameters`, which its class Linear defines"),
                        (m.shadow, "sets none of nn.Module's names on a module"),
                        (m.table, "tables of parameters, buffers and submodules stay nn.Module's dicts")]:
         model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
@@ -1135,9 +1149,13 @@ def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
             make(model[1][0])
         assert handwritten.override_problem(model) is None
     model = nn.Sequential(nn.Linear(2, 2))
-    m.swap(model[0], m.Plain)  # a plain method of its own: fine
+    m.swap(model[0], m.Plain)  # plain methods of its own, as FSDP's class swap gives (the control)
+    assert handwritten.override_problem(model) is None
     with pytest.raises(TypeError, match="changes no more"):
         m.later()
+    model = nn.Sequential(m.Own(), nn.Linear(2, 2))  # a module wholly the file's own: its forward is its own
+    model[1].compile()  # torch's own attribute on a module (its compiled call)
+    assert handwritten.override_problem(model) is None
     # past the loader's guard (as a door in it would be), the grader's walk names each before it reads
     for mixin, said in [(m.Lies, "0 is a FSDPLinear: its class's base Lies (the file's) defines `named_parameters`"),
                         (m.Hides, "0 is a FSDPLinear: its class's base Hides (the file's) defines `weight`")]:
@@ -1154,10 +1172,10 @@ def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2))
     model[0]._parameters["bias"] = [1.0]
     assert "0's _parameters holds a list as `bias`" in handwritten.override_problem(model)
-    model = nn.Sequential(nn.Linear(2, 2))  # the reference's class swap
-    cls = type(model)
-    model.__class__ = type(f"FSDP{cls.__name__}", (reference.FSDPModule, cls), {})
-    assert impl.mixin_problem(type(model), model) is None and handwritten.override_problem(model) is None
+    model = nn.Sequential(nn.Linear(2, 2))  # that module's class mixed into one of the model's: in place of its own
+    model[0].__class__ = type("FSDPLinear", (m.Own, nn.Linear), {})
+    assert "0 is a FSDPLinear: its class's base Own (the file's) defines `__init__`" in \
+        handwritten.override_problem(model), handwritten.override_problem(model)
     assert [n for n, _ in handwritten.module_tree(nn.Sequential(nn.Linear(1, 1), nn.Sequential(nn.ReLU())))] == \
         [n for n, _ in nn.Sequential(nn.Linear(1, 1), nn.Sequential(nn.ReLU())).named_modules()]
 

@@ -1716,7 +1716,9 @@ def override_problem(model: torch.nn.Module) -> str | None:
             return f"{where} is a {type(m).__qualname__}: {why}"
         own = vars(m)
         held = {k for table in impl.MODULE_TABLES for k in dict.keys(own[table])}
-        if shadowed := sorted(k for k in own if k in names and k not in instance or k in held):
+        # (not what torch sets on a module in place of nn.Module's data: Module.compile's _compiled_call_impl)
+        if shadowed := sorted(k for k in own if k in names and k not in instance and callable(
+                inspect.getattr_static(torch.nn.Module, k, None)) or k in held):
             return (f"{where} has an attribute of its own named `{shadowed[0]}`, a name of nn.Module's or of one of "
                     "its submodules, parameters or buffers, in place of torch's: set attributes on modules under names "
                     "of your own")

@@ -1078,6 +1078,15 @@ class Probes:
         self.ran: set[tuple[str, str]] = set()  # (block, "pre" or "post") since the last step
         for name, block in model.layers.named_children():
             self._probe(f"layers.{name}", block, reshard_after_forward)
+        if sources is not None:  # every module's own parameters, the root's too, wherever they are called full
+            for name, module in handwritten.module_tree(model):
+                if module._parameters:
+                    module.register_forward_pre_hook(functools.partial(self._brought, name or "the root"))
+
+    def _brought(self, name: str, module: nn.Module, args) -> None:
+        with no_collection():
+            if self.honest(name, module):
+                self.brought(name, module, recurse=False)
 
     def honest(self, name: str, block: nn.Module) -> bool:
         """The block is read by nn.Module's own methods ([Note: the grader reads a model by nn.Module's own methods]);
@@ -1088,15 +1097,15 @@ class Probes:
             return False
         return True
 
-    def brought(self, name: str, block: nn.Module) -> None:
-        """Each of the block's gathered (full) parameters holds, in every byte, data that an all-gather of this
+    def brought(self, name: str, block: nn.Module, recurse: bool = True) -> None:
+        """Each of the module's gathered (full) parameters holds, in every byte, data that an all-gather of this
         forward brought ([Note: where the model's parameters came from]): not a copy kept from wrapping, nor one
         made otherwise (the collectives' sizes alone would let a program gather zeros beside it)."""
         with torch._C.DisableTorchFunction():  # as the log reads tensors
-            for pname, p in block.named_parameters():
-                if isinstance(p, DTensor) or not _followed(p) or _extent(p) is None:
+            for pname, p in block.named_parameters(recurse=recurse):
+                if isinstance(p, DTensor) or _extent(p) is None:
                     continue
-                found = _gathered(self.sources.held(p))
+                found = _gathered(self.sources.held(p)) if _followed(p) else _UNGATHERED
                 if NONE_GATHERED in found or not found:
                     self.problems.append(
                         f"{name}: its gathered parameter {pname} holds data no all-gather of this forward brought (a "
@@ -1146,16 +1155,20 @@ class Probes:
         block.register_forward_hook(post)
         self.blocks.append(name)
 
-    def after_step(self, step: int) -> None:
-        # every block ran forward in the step, and each of these hooks with it: else what they check went unseen
+    def ran_every_hook(self, when: str) -> None:
+        """Every block ran forward since the last time asked, each of these hooks with it (else what they check went
+        unseen), and some block computed with full parameters."""
         if missed := [f"{name} ({hook})" for name in self.blocks for hook in ("pre", "post")
                       if (name, hook) not in self.ran]:
-            self.problems.append(f"step {step}: the grader's forward hooks on {', '.join(missed)} did not run (a "
+            self.problems.append(f"{when}: the grader's forward hooks on {', '.join(missed)} did not run (a "
                                  "block's forward must run its hooks: call the block, and leave its hook tables be)")
         self.ran.clear()
-        self.settle()
         if not self.gathered:
-            self.problems.append(f"step {step}: no block computed with full (non-DTensor) parameters")
+            self.problems.append(f"{when}: no block computed with full (non-DTensor) parameters")
+
+    def after_step(self, step: int) -> None:
+        self.ran_every_hook(f"step {step}")
+        self.settle()
         for name, refs in self.gathered.items():
             if n := self.alive(refs):
                 self.problems.append(f"{name}: {n / 2**20:.2f} MiB of gathered parameters still alive after "
@@ -1244,6 +1257,7 @@ def forward_job(cfg: train.Config) -> Run:
         logits = model(inputs["input"].to(device))
     loss = train.loss_fn(logits, labels.to(device), cfg.num_gradient_accumulation_steps)
     when = "after the first forward"
+    probes.ran_every_hook(when)
     if why := handwritten.override_problem(model):
         probes.problems.append(f"{when}: {why}")
     for name, p in () if why else model.layers.named_parameters():
