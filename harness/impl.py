@@ -111,20 +111,24 @@ def load(impl: str) -> ModuleType:
 # fully_shard gives each module it wraps a class of the file's (FSDPModule first among its bases, as FSDP2 does), and
 # the grader reads the wrapped model as torch's: its parameters and submodules (named_parameters, parameters,
 # modules), the hooks it registers on its blocks, `model.layers`. A class of the file's in a module's class stands in
-# for torch's wherever it defines what those reads look up: one of nn.Module's names, or a submodule's, parameter's
-# or buffer's name (a property `layers` showed the grader's probes decoy blocks), a method the module's own class
-# defines (a `values` of the blocks' ModuleDict ran each block's forward past its hooks, with full parameters kept
-# aside), or anything but a plain method (a descriptor runs the file's code on a mere lookup). FSDP2's FSDPModule defines plain methods, and overrides
-# `_apply` alone of nn.Module's; so may the file's (a module class wholly the file's own, which stands in for no class
-# of the model's, also defines `__init__`, `forward` and `extra_repr`, as any module does). So a module's class is checked where the file sets it (`__class__`,
-# through the loader's setattr), and again before every read of the grader's (handwritten.override_problem); a class
-# of the file's, once in a module's class, changes no more; and the file sets none of nn.Module's names on a module,
-# nor its tables to anything but dicts.
+# for torch's wherever it defines what those reads look up: one of nn.Module's names, or a submodule's, parameter's or
+# buffer's name (a property `layers` showed the grader's probes decoy blocks), a method the module's own class defines
+# (a `values` of the blocks' ModuleDict ran each block's forward past its hooks, with full parameters kept aside), or
+# anything but a plain method (a descriptor runs the file's code on a mere lookup). FSDP2's FSDPModule defines plain
+# methods, and overrides `_apply` alone of nn.Module's; so may the file's (a module class wholly the file's own, which
+# stands in for no class of the model's, also defines `__init__`, `forward` and `extra_repr`, as any module does). So
+# a module's class is checked where the file sets it (`__class__`, through the loader's setattr), and again before
+# every read of the grader's (handwritten.override_problem); a class of the file's, once in a module's class, changes
+# no more; and the file sets none of nn.Module's names on a module, nor its tables to anything but dicts. Which
+# classes are the file's is what it made (`_MADE`), not what their `__module__` says (a `__name__` rebound around a
+# class statement gave one torch's).
 MODULE_OVERRIDES = frozenset({"_apply"})
 """nn.Module's names a class of the file's may define: what FSDP2's FSDPModule overrides"""
 CLASS_FILLED = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
-                          "__firstlineno__", "__static_attributes__"})
-"""what a class statement fills in itself"""
+                          "__firstlineno__", "__static_attributes__", "__abstractmethods__", "_abc_impl",
+                          "__parameters__", "__orig_bases__"})
+"""what a class statement, or its bases' metaclass, fills in itself (abc's for a class mixed into torch's
+CheckpointWrapper, an ABC; typing's for a generic)"""
 MODULE_TABLES = ("_modules", "_parameters", "_buffers")
 _MIXED: weakref.WeakSet = weakref.WeakSet()  # the file's classes found in a module's class (setattr's, delattr's)
 
@@ -138,9 +142,10 @@ def module_names() -> tuple[frozenset[str], frozenset[str]]:
 
 
 def files_class(cls) -> bool:
-    """`cls` is a class a file under test defined (or made with its guarded type)."""
+    """`cls` is a class a file under test made (a class statement, its guarded type: whatever `__module__` it was
+    given), or one its module's name says is the file's (what enum's functional API makes for it)."""
     module = vars(cls).get("__module__")
-    return type(module) is str and module.startswith(FILE_MODULES)
+    return cls in _MADE or type(module) is str and module.startswith(FILE_MODULES)
 
 
 OWN_MODULE = frozenset({"__init__", "forward", "extra_repr"})
@@ -336,7 +341,8 @@ def _guarded_type(own: str):
             namespace = dict(namespace)  # one copy, checked and made from (a mapping may say other keys each time)
             for base in bases:
                 if not (base is object or isinstance(base, type) and (
-                        base.__module__ == own or issubclass(base, (torch.nn.Module, torch.autograd.Function)))):
+                        base.__module__ == own or base in _MADE
+                        or issubclass(base, (torch.nn.Module, torch.autograd.Function)))):
                     raise refused(f"a class made by a file under test derives from its own classes, object, nn.Module "
                                   f"or autograd.Function, not {base!r}")
             for key in namespace:

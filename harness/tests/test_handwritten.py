@@ -341,6 +341,8 @@ OUTSIDE = {
     # a context entered by hand (its method read off it) stays on, and is left wherever Python frees it
     "context_entered_by_hand": ("import contextlib\ncm = contextlib.nullcontext()\nenter = cm.__enter__\n", 3,
                                 "uses `cm.__enter__`: enter a context with a `with` statement"),
+    # the file's classes take their __module__ from it: bound to torch's, a class passes for torch's
+    "module_name_rebound": ("__name__ = 'torch.nn.modules.container'\n", 1, "binds `__name__`"),
     "context_held_by_a_generator": ("import torch\ndef g():\n    with torch.no_grad():\n        yield\n", 4,
                                     "yields inside a `with` block of a generator"),
     "type_rebound": ("type = 1\n", 1, "binds the name `type`"),
@@ -1088,6 +1090,18 @@ class Resets:
         return None
 
 
+OWN = __name__
+__name__ = "torch.nn.modules.linear"  # (the source check refuses it; the loader's check stands behind it)
+
+
+class Disguised:
+    def reset_parameters(self):
+        return None
+
+
+__name__ = OWN
+
+
 class Plain:
     def reshard(self):
         return None
@@ -1142,6 +1156,7 @@ def test_the_grader_reads_a_model_by_nn_modules_own_methods(tmp_path):
     for make, said in [(lambda mod: m.swap(mod), "(the file's) defines `named_parameters`, a name of nn.Module's"),
                        (lambda mod: m.swap(mod, m.Hides), "defines `weight`, the name of one of its submodules"),
                        (lambda mod: m.swap(mod, m.Resets), "defines `reset_parameters`, which its class Linear defines"),
+                       (lambda mod: m.swap(mod, m.Disguised), "Disguised (the file's) defines `reset_parameters`"),
                        (m.shadow, "sets none of nn.Module's names on a module"),
                        (m.table, "tables of parameters, buffers and submodules stay nn.Module's dicts")]:
         model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))

@@ -1378,6 +1378,16 @@ SOURCE_CHEATS.update({
 SOURCE_REFUSALS.update({
     'context-entered-by-hand-and-suppressed': 'uses `cm.__enter__`',
 })
+SOURCE_CHEATS.update({
+    # round 47's: __name__ rebound around a class statement, whose __module__ then named torch's module (the class
+    # passed for torch's where the loader asked which classes mixed into a module are the file's)
+    'module-name-rebound-around-a-class': 'from torch import nn\n\nOWN = __name__\n'
+                                          '__name__ = "torch.nn.modules.container"\n\n\nclass Blocks:\n'
+                                          '    def values(self):\n        return iter(())\n\n\n__name__ = OWN\n',
+})
+SOURCE_REFUSALS.update({
+    'module-name-rebound-around-a-class': 'binds `__name__`',
+})
 CHEATS.update(SOURCE_CHEATS)
 
 

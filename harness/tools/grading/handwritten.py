@@ -1135,6 +1135,9 @@ class _Check:
         for bound in _bound(node):
             if bound in GUARDED_BUILTINS:
                 return self.rebinds(node, bound)
+            if bound == "__name__":  # what Python gives the `__module__` of the classes made after
+                return Outside(f"{where} binds `__name__`: the file's classes take their `__module__` from it, and "
+                               "belong to the file (enum and others act on the module it names)")
             # the check reads an imported name as its import: one name, one object, bound by imports only (a
             # function's own import, or a second import further down, would run with another than the one read)
             if bound in self.imported and (not isinstance(node, ast.alias) or

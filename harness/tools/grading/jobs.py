@@ -1078,15 +1078,17 @@ class Probes:
         self.ran: set[tuple[str, str]] = set()  # (block, "pre" or "post") since the last step
         for name, block in model.layers.named_children():
             self._probe(f"layers.{name}", block, reshard_after_forward)
-        if sources is not None:  # every module's own parameters, the root's too, wherever they are called full
-            for name, module in handwritten.module_tree(model):
-                if module._parameters:
-                    module.register_forward_pre_hook(functools.partial(self._brought, name or "the root"))
+        # every leaf's own parameters, the root's too, where the model computes with them (`computing`)
+        self.names = {id(m): name or "the root" for name, m in handwritten.module_tree(model)}
 
-    def _brought(self, name: str, module: nn.Module, args) -> None:
-        with no_collection():
-            if self.honest(name, module):
-                self.brought(name, module, recurse=False)
+    def computing(self, module: nn.Module) -> None:
+        """The model calls one of its leaves (schedule.marked_compute, in its forward: after every pre-hook, the
+        file's own too): the log follows its parameters, and they must hold what this forward's all-gathers brought."""
+        self.sources.called(module)
+        if (name := self.names.get(id(module))) is not None:
+            with no_collection():
+                if self.honest(name, module):
+                    self.brought(name, module, recurse=False)
 
     def honest(self, name: str, block: nn.Module) -> bool:
         """The block is read by nn.Module's own methods ([Note: the grader reads a model by nn.Module's own methods]);
@@ -1127,8 +1129,6 @@ class Probes:
                     return
                 full = [p for p in module.parameters() if not isinstance(p, DTensor)]
                 held = any(True for _ in module.parameters())
-                if self.sources is not None and full:
-                    self.brought(name, module)
             if not full and held and name not in self._sharded_at_forward:
                 # FSDP2 gathers a block's parameters in its pre-forward; gathered inside its layers instead,
                 # they would never be seen here, nor their freeing checked
@@ -1253,7 +1253,7 @@ def forward_job(cfg: train.Config) -> Run:
     log.step = 1
     probes = Probes(model, cfg.reshard_after_forward, log.settle, log.sources)
     inputs, labels = next(train.build_data(cfg, dist.get_rank(), dist.get_world_size()))
-    with log:
+    with log, marked_compute(model, log.sources.mark, probes.computing):
         logits = model(inputs["input"].to(device))
     loss = train.loss_fn(logits, labels.to(device), cfg.num_gradient_accumulation_steps)
     when = "after the first forward"
