@@ -157,19 +157,20 @@ def mixin_problem(cls: type, module) -> str | None:
     """Why `cls` may not be `module`'s class ([Note: a class the file mixes into a module]), or None."""
     import torch
 
+    files = [c for c in cls.__mro__ if files_class(c)]
+    if not files:  # (torch's and the model's classes only: the file changes none of them)
+        return None
     names = module_names()[0]
     held = set()
     for table in MODULE_TABLES:
         if type(found := vars(module).get(table)) is dict:
             held.update(dict.keys(found))
-    own = all(files_class(c) or c is torch.nn.Module or c is object for c in cls.__mro__)
+    own = all(c in files or c is torch.nn.Module or c is object for c in cls.__mro__)
     theirs = {}  # every name the classes not the file's define (the model's, torch's): the first that does
     for c in reversed(cls.__mro__):
-        if not files_class(c):
+        if c not in files:
             theirs.update(dict.fromkeys(vars(c), c))
-    for c in cls.__mro__:
-        if not files_class(c):
-            continue
+    for c in files:
         for name, value in vars(c).items():
             if name in CLASS_FILLED or own and name in OWN_MODULE and type(value) is types.FunctionType:
                 continue
