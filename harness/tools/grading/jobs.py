@@ -1249,11 +1249,13 @@ def forward_job(cfg: train.Config) -> Run:
     model, device = train.setup(cfg)
     assert_sharded(model, 0, cfg.replicate)
     problem = fsdp2_problem(model, cfg)
-    log = CommLog(drawn_mark())  # its data followed: where each block's gathered parameters came from
+    # the data followed where a file is loaded: where each leaf's gathered parameters came from (FSDP2's need no such
+    # check, and the following costs Python on every op)
+    log = CommLog(None if impl.files_refused() else drawn_mark())
     log.step = 1
     probes = Probes(model, cfg.reshard_after_forward, log.settle, log.sources)
     inputs, labels = next(train.build_data(cfg, dist.get_rank(), dist.get_world_size()))
-    with log, marked_compute(model, log.sources.mark, probes.computing):
+    with log, marked_compute(model, log.sources.mark, probes.computing) if log.sources else contextlib.nullcontext():
         logits = model(inputs["input"].to(device))
     loss = train.loss_fn(logits, labels.to(device), cfg.num_gradient_accumulation_steps)
     when = "after the first forward"
