@@ -778,19 +778,6 @@ def _not_numbers(data) -> str | None:
 # source check lets a file use `untyped_storage()` only in place, to resize and measure it.)
 
 
-@contextlib.contextmanager
-def no_collection():
-    """No garbage collection while on: a finalizer of the file's would run its code between a check and what it
-    guards."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-
-
 def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
@@ -1086,7 +1073,7 @@ class Probes:
         file's own too): the log follows its parameters, and they must hold what this forward's all-gathers brought."""
         self.sources.called(module)
         if (name := self.names.get(id(module))) is not None:
-            with no_collection():
+            with uncollected():
                 if self.honest(name, module):
                     self.brought(name, module, recurse=False)
 
@@ -1124,7 +1111,7 @@ class Probes:
         # the post-hook after FSDP's post-forward.
         def pre(module, args):
             self.ran.add((name, "pre"))
-            with no_collection():
+            with uncollected():
                 if not self.honest(name, module):
                     return
                 full = [p for p in module.parameters() if not isinstance(p, DTensor)]
@@ -1144,7 +1131,7 @@ class Probes:
         def post(module, args, output):
             self.ran.add((name, "post"))
             self.settle()
-            with no_collection():
+            with uncollected():
                 if not self.honest(name, module):
                     return
             if reshard_after_forward and (n := self.alive(self.gathered.get(name, []))):
@@ -1213,7 +1200,7 @@ def train_job(cfg: train.Config, observe: bool = True, mark: str | None = None) 
     def inspect(model: nn.Module, step: int) -> None:
         # checked before anything reads the model ([Note: the grader reads a model by nn.Module's own methods]), with
         # no collection between the check and the reads (a finalizer of the file's could change the model there)
-        with no_collection():
+        with uncollected():
             log.settle()
             if sharded:
                 assert_sharded(model, step, cfg.replicate)
@@ -1376,7 +1363,7 @@ def memory_job(cfg: train.Config) -> Memory:
     with marked_waits(), log, contextlib.ExitStack() as marks:
         def instrument(model: nn.Module, step: int) -> None:
             if step == 0:
-                with no_collection():  # before marked_compute reads it, and the loop's optimizer takes its parameters
+                with uncollected():  # before marked_compute reads it, and the loop's optimizer takes its parameters
                     agree(handwritten.override_problem(model))
                     marks.enter_context(marked_compute(model, mark))
             log.settle()
